@@ -1,0 +1,135 @@
+"""The user-facing API: `Speculor(pair).generate(prompt, ...)` and `.stream_text(...)`.
+
+    from speculor import Speculor, SamplingConfig, load_pair
+    sp = Speculor(load_pair(), strategy="chain", k=4)
+    out = sp.generate("Write a haiku about trees.", SamplingConfig(max_new_tokens=64), chat=True)
+    print(out.text, out.tau, out.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from speculor import engine
+from speculor.config import SamplingConfig
+from speculor.errors import SpeculorError
+from speculor.models import Pair
+from speculor.strategies import make_drafter
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    stats: engine.Stats
+    total_s: float
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+    @property
+    def tau(self) -> float:
+        return self.stats.tau
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.total_s if self.total_s > 0 else 0.0
+
+
+class Speculor:
+    """A model pair with a default strategy; every call may name another strategy and its options."""
+
+    def __init__(self, pair: Pair, strategy: str = "chain", **options: Any) -> None:
+        self.pair, self.strategy, self.options = pair, strategy, options
+        make_drafter(strategy, pair, **options)  # validate now
+        gen_cfg = getattr(pair.target.model, "generation_config", None)
+        ids = getattr(gen_cfg, "eos_token_id", None)
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if pair.tokenizer.eos_token_id is not None:
+            ids.append(pair.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(ids)
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SpeculorError("the prompt is empty")
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            return self.encode_chat(messages)
+        return self.pair.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.pair.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.pair.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def tokens(self, prompt: str | list[int], cfg: SamplingConfig, *, chat: bool = False,
+               strategy: str | None = None, stats: engine.Stats | None = None, **options: Any) -> Iterator[engine.Token]:
+        """Token events of one generation (no stop-string handling)."""
+        name = strategy or self.strategy
+        drafter = make_drafter(name, self.pair, **(options if strategy else {**self.options, **options}))
+        return engine.stream(self.pair.target, drafter, self.encode(prompt, chat), cfg, self.eos_ids, stats)
+
+    def stream_text(self, prompt: str | list[int], cfg: SamplingConfig, *, chat: bool = False,
+                    strategy: str | None = None, stats: engine.Stats | None = None,
+                    **options: Any) -> Iterator[tuple[str, list[engine.Token]]]:
+        """Yield (new text, tokens) as tokens arrive; stops at a stop string (not included in the text)."""
+        detok = Detokenizer(self.pair.tokenizer, cfg.stop)
+        for tok in self.tokens(prompt, cfg, chat=chat, strategy=strategy, stats=stats, **options):
+            delta = detok.add(tok)
+            if delta or detok.stopped:
+                yield delta, detok.pop_tokens()
+            if detok.stopped:
+                return
+        yield detok.flush(), detok.pop_tokens()
+
+    def generate(self, prompt: str | list[int], cfg: SamplingConfig | None = None, *, chat: bool = False,
+                 strategy: str | None = None, **options: Any) -> Generation:
+        cfg = cfg or SamplingConfig()
+        stats = engine.Stats()
+        t0 = time.perf_counter()
+        text, ids = [], []
+        for delta, toks in self.stream_text(prompt, cfg, chat=chat, strategy=strategy, stats=stats, **options):
+            text.append(delta)
+            ids.extend(t.id for t in toks)
+        total = time.perf_counter() - t0
+        stopped = len(ids) < cfg.max_new_tokens or (ids and ids[-1] in self.eos_ids)
+        return Generation("".join(text), ids, stats, total, "stop" if stopped else "length")
+
+
+class Detokenizer:
+    """Incremental decoding with stop strings: text is released only once no stop string can begin in it."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.pending: list[engine.Token] = []
+        self.sent = 0  # characters of the decoded text already released
+        self.stopped = False
+
+    def add(self, tok: engine.Token) -> str:
+        self.ids.append(tok.id)
+        self.pending.append(tok)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        for s in self.stop:
+            at = text.find(s, max(self.sent - len(s), 0))
+            if at >= 0:
+                self.stopped = True
+                return self._release(text[:at])
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        return self._release(text[: len(text) - hold] if hold else text)
+
+    def flush(self) -> str:
+        return self._release(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def pop_tokens(self) -> list[engine.Token]:
+        toks, self.pending = self.pending, []
+        return toks
+
+    def _release(self, text: str) -> str:
+        delta = text[self.sent:] if len(text) > self.sent else ""
+        self.sent = max(self.sent, len(text))
+        return delta

@@ -1,0 +1,37 @@
+"""Strategy registry: a name and its options -> a drafter (None for plain decoding)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from speculor.drafters import ChainDrafter, Drafter
+from speculor.errors import SpeculorError
+from speculor.models import Pair
+
+
+def _need_draft(pair: Pair, name: str):
+    if pair.draft is None:
+        raise SpeculorError(f"strategy {name!r} needs a draft model")
+    return pair.draft
+
+
+def _chain(pair: Pair, k: int = 4) -> Drafter:
+    if not isinstance(k, int) or not 1 <= k <= 64:
+        raise SpeculorError(f"k must be an integer in [1, 64], got {k!r}")
+    return ChainDrafter(_need_draft(pair, "chain"), k)
+
+
+BUILDERS: dict[str, Callable[..., Drafter | None]] = {
+    "plain": lambda pair: None,
+    "chain": _chain,
+}
+
+
+def make_drafter(name: str, pair: Pair, **options: Any) -> Drafter | None:
+    if name not in BUILDERS:
+        raise SpeculorError(f"unknown strategy {name!r}; known: {', '.join(BUILDERS)}")
+    try:
+        return BUILDERS[name](pair, **options)
+    except TypeError as exc:
+        raise SpeculorError(f"bad options for strategy {name!r}: {exc}") from exc
