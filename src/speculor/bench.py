@@ -1,0 +1,229 @@
+"""`speculor bench`: strategies × prompts × temperatures in one run, against plain decoding.
+
+Per prompt, every strategy runs back to back (plain first), `repeats` times, keeping the median wall
+time; speedup = tokens/s of a strategy ÷ tokens/s of plain, both summed over the same prompts in this
+run. Greedy identity is checked on token ids against plain decoding. Writes records.jsonl (one record
+per strategy × temperature × prompt), summary.json and table.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from speculor import prompts as prompt_sets
+from speculor.api import Speculor
+from speculor.config import SamplingConfig
+from speculor.engine import Stats
+from speculor.errors import SpeculorError
+from speculor.models import Pair
+from speculor.peers import PEERS, hf_generate
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategies", default="plain,chain",
+                   help="comma-separated; options after colons, e.g. plain,chain:k=2,chain:k=6,hf-assisted")
+    p.add_argument("--sets", default="mtbench,humaneval")
+    p.add_argument("--limit", type=int, default=6, help="number of prompts (spread over sets and categories)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median wall time is kept")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="folder for records.jsonl, summary.json, table.md")
+    p.add_argument("--quick", action="store_true", help="the README's main job: every strategy, a few prompts")
+
+
+QUICK = {"strategies": "plain,chain:k=2,chain:k=4,hf-assisted,hf-prompt-lookup", "limit": 4,
+         "max_new_tokens": 48, "temperatures": "0"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    label: str
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_strategies(text: str) -> list[Spec]:
+    """'plain,chain:k=2' -> [Spec('plain','plain',{}), Spec('chain:k=2','chain',{'k': 2})]; plain comes first."""
+    specs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, *opts = item.split(":")
+        options = {}
+        for o in opts:
+            key, sep, value = o.partition("=")
+            if not sep:
+                raise SpeculorError(f"bad strategy option {o!r} in {item!r}; write key=value")
+            options[key.replace("-", "_")] = _number(value)
+        specs.append(Spec(item, name, options))
+    specs = [s for s in specs if s.name == "plain"][:1] + [s for s in specs if s.name != "plain"]
+    if not specs or specs[0].name != "plain":
+        specs.insert(0, Spec("plain", "plain"))
+    return specs
+
+
+def _number(value: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> dict[str, Any]:
+    """One generation -> a record (tokens, wall time, per-step acceptance and time split)."""
+    if spec.name in PEERS:
+        tokens, wall = hf_generate(sp.pair, spec.name, ids, cfg, sp.eos_ids)
+        return {"token_ids": tokens, "wall_s": wall, "steps": None}
+    stats = Stats()
+    t0 = time.perf_counter()
+    tokens = [t.id for t in sp.tokens(ids, cfg, strategy=spec.name, stats=stats, **spec.options)]
+    wall = time.perf_counter() - t0
+    return {"token_ids": tokens, "wall_s": wall, "prefill_s": stats.prefill_s,
+            "accepted": [s.accepted for s in stats.steps], "drafted": [s.drafted for s in stats.steps],
+            "draft_forwards": sum(s.draft_forwards for s in stats.steps),
+            "draft_s": sum(s.draft_s for s in stats.steps), "verify_s": sum(s.verify_s for s in stats.steps),
+            "overhead_s": sum(s.overhead_s for s in stats.steps), "steps": len(stats.steps)}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def top2_gap(pair: Pair, prompt: list[int], plain: list[int], pos: int) -> float:
+    """Target's top-2 logit gap where plain decoding chose plain[pos] (a near-tie explains a flip)."""
+    logits = pair.target.model(torch.tensor([prompt + plain[:pos]], device=pair.target.device)).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def run(args: argparse.Namespace, load_pair) -> dict[str, Any]:
+    for key, value in (QUICK.items() if args.quick else ()):
+        setattr(args, key, value)
+    specs = parse_strategies(args.strategies)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    prompts = prompt_sets.load(args.sets.split(","), args.limit)
+    sp = Speculor(load_pair(args), strategy="plain")
+    for s in specs:  # fail early on unknown strategies or options
+        if s.name not in PEERS:
+            sp.tokens([1], SamplingConfig(max_new_tokens=1), strategy=s.name, **s.options)
+    encoded = [sp.encode(p.text, chat=p.chat) for p in prompts]
+    _warm_up(sp, specs, encoded[0])
+    records = []
+    bar = tqdm(total=len(temps) * len(prompts) * len(specs), desc="bench", unit="gen")
+    for temp in temps:
+        for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
+            cfg = SamplingConfig(temperature=temp, top_p=args.top_p if temp > 0 else 1.0,
+                                 seed=args.seed + i, max_new_tokens=args.max_new_tokens)
+            plain_ids = None
+            for spec in specs:
+                rec = _measure(sp, spec, ids, cfg, args.repeats)
+                rec |= {"strategy": spec.label, "temperature": temp, "prompt_id": prompt.id, "set": prompt.set,
+                        "category": prompt.category, "new_tokens": len(rec["token_ids"])}
+                if spec.name == "plain":
+                    plain_ids = rec["token_ids"]
+                if temp == 0:
+                    _check_identity(rec, sp.pair, ids, plain_ids)
+                records.append(rec)
+                bar.update()
+    bar.close()
+    summary = summarize(records, specs, temps)
+    print(format_table(summary))
+    if args.out:
+        _write(Path(args.out), records, summary, args)
+    return summary
+
+
+def _warm_up(sp: Speculor, specs: list[Spec], ids: list[int]) -> None:
+    cfg = SamplingConfig(max_new_tokens=4)
+    for spec in specs:
+        run_one(sp, spec, ids, cfg)
+
+
+def _measure(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig, repeats: int) -> dict[str, Any]:
+    runs = [run_one(sp, spec, ids, cfg) for _ in range(max(repeats, 1))]
+    rec = runs[0]
+    rec["wall_s"] = statistics.median(r["wall_s"] for r in runs)
+    rec["wall_s_all"] = [r["wall_s"] for r in runs]
+    return rec
+
+
+def _check_identity(rec: dict[str, Any], pair: Pair, ids: list[int], plain_ids: list[int] | None) -> None:
+    assert plain_ids is not None
+    pos = first_divergence(rec["token_ids"], plain_ids)
+    rec["greedy_identical"] = pos is None
+    if pos is not None:
+        rec["divergence"] = {"position": pos, "top2_gap": top2_gap(pair, ids, plain_ids, pos) if pos < len(
+            plain_ids) else None}
+
+
+def summarize(records: list[dict[str, Any]], specs: list[Spec], temps: list[float]) -> dict[str, Any]:
+    """Per strategy: the fields at the first temperature, and `by_temperature` for every one."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        by_t = {}
+        for temp in temps:
+            rows = [r for r in records if r["strategy"] == spec.label and r["temperature"] == temp]
+            base = [r for r in records if r["strategy"] == "plain" and r["temperature"] == temp]
+            by_t[str(temp)] = _aggregate(rows, base, temp)
+        out[spec.label] = {**by_t[str(temps[0])], "by_temperature": by_t}
+    return out
+
+
+def _aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: float) -> dict[str, Any]:
+    tokens, wall = sum(r["new_tokens"] for r in rows), sum(r["wall_s"] for r in rows)
+    tps = tokens / wall if wall else 0.0
+    base_tps = sum(r["new_tokens"] for r in base) / max(sum(r["wall_s"] for r in base), 1e-9)
+    agg: dict[str, Any] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else None,
+                           "n_prompts": len(rows), "new_tokens": tokens, "wall_s": wall, "temperature": temp,
+                           "greedy_identical": (sum(r["greedy_identical"] for r in rows) / len(rows)
+                                                if temp == 0 and rows else None)}
+    steps = [a for r in rows if r.get("accepted") is not None for a in r["accepted"]]
+    agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
+    if steps:
+        depth = max(steps)
+        agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]
+        agg["mean_tree_size"] = statistics.mean(d for r in rows for d in r["drafted"])
+        agg["time_split"] = {k: sum(r[k] for r in rows) / wall for k in ("prefill_s", "draft_s", "verify_s",
+                                                                       "overhead_s")}
+    return agg
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    head = "| strategy | T | tau | tokens/s | speedup | greedy identical | draft / verify / other |"
+    lines = [head, "|" + "---|" * 7]
+    for label, s in summary.items():
+        for temp, a in s["by_temperature"].items():
+            tau = f"{a['tau']:.2f}" if a["tau"] else "-"
+            ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
+            split = a.get("time_split")
+            split_s = "-" if not split else (f"{split['draft_s']:.0%} / {split['verify_s']:.0%} / "
+                                             f"{1 - split['draft_s'] - split['verify_s']:.0%}")
+            lines.append(f"| {label} | {temp} | {tau} | {a['tokens_per_s']:.2f} | {a['speedup']:.2f}x | {ident} "
+                         f"| {split_s} |")
+    return "\n".join(lines)
+
+
+def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "records.jsonl").open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    meta = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    (out / "summary.json").write_text(json.dumps({**summary, "_run": meta}, indent=2))
+    (out / "table.md").write_text(format_table(summary) + "\n")
+    print(f"wrote {out}/records.jsonl, summary.json, table.md")
