@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
 from speculor import embedded
@@ -118,7 +119,7 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         raise SpeculorError(f"could not load the model at {spec!r} (corrupt or unsupported file?): {exc}") from exc
     return model, tokenizer
 

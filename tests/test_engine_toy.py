@@ -1,0 +1,200 @@
+"""Full decoding through `speculor.engine.stream` with toy LMs: greedy equality, exact law (chi-square), EOS, length."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from toy import ToyLM, exact_law, next_distribution, perturbed, plain_greedy, random_toy
+
+import speculor.verify
+from speculor import engine
+from speculor.config import SamplingConfig
+from speculor.drafters import ChainDrafter
+from speculor.models import LM
+
+V = 6
+N = 3  # tokens whose joint law is tested (V**N = 216 cells)
+PROMPT = [1, 2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add overhead on a shared machine
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target() -> ToyLM:
+    return random_toy(V, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target: ToyLM) -> ToyLM:
+    # close enough to the target that runs of 0, 1 and 2 accepted tokens (and bonus tokens) all occur
+    return perturbed(target, seed=1, noise=0.8)
+
+
+def generate(target: ToyLM, draft: ToyLM | None, prompt: list[int], cfg: SamplingConfig, k: int = 2,
+             eos: frozenset[int] = frozenset(), stats: engine.Stats | None = None) -> list[engine.Token]:
+    drafter = ChainDrafter(LM(draft), k) if draft is not None else None
+    return list(engine.stream(LM(target), drafter, prompt, cfg, eos, stats))
+
+
+# ---------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("prompt", [[0], [1, 2], [5, 4, 3, 2], [3, 3, 3]])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_equals_plain_greedy(target, draft, prompt, k):
+    cfg = SamplingConfig(max_new_tokens=17)
+    spec = [t.id for t in generate(target, draft, prompt, cfg, k)]
+    assert spec == plain_greedy(target, prompt, 17)
+    assert [t.id for t in generate(target, None, prompt, cfg)] == spec
+
+
+def test_greedy_with_other_draft_tables():
+    """Target and draft with unrelated tables (few acceptances) still give the target's greedy output."""
+    target, other = random_toy(V, seed=3), random_toy(V, seed=4)
+    for prompt in ([2], [4, 0, 1]):
+        out = [t.id for t in generate(target, other, prompt, SamplingConfig(max_new_tokens=12), k=3)]
+        assert out == plain_greedy(target, prompt, 12)
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(max_new_tokens=13),
+                                 SamplingConfig(temperature=1.0, max_new_tokens=13, seed=3)])
+def test_self_draft_accepts_everything(target, cfg):
+    """A draft identical to the target (q == p exactly) is always accepted: tau = K + 1 until the last step."""
+    k = 3
+    stats = engine.Stats()
+    out = generate(target, perturbed(target, seed=0, noise=0.0), [1, 2], cfg, k, stats=stats)
+    assert len(out) == 13
+    assert [s.accepted for s in stats.steps] == [k] * len(stats.steps)
+    assert len(stats.steps) == math.ceil(13 / (k + 1))
+    assert [t.from_draft for t in out] == [i % (k + 1) != k for i in range(13)]
+
+
+class CheckingDrafter(ChainDrafter):
+    """A chain drafter that checks each proposal against a fresh computation from the draft's tables."""
+
+    def __init__(self, lm: LM, k: int) -> None:
+        super().__init__(lm, k)
+        self.proposals = 0
+
+    def propose(self, seq, cfg, generator):
+        tree = super().propose(seq, cfg, generator)
+        toy: ToyLM = self.lm.model
+        ctx = list(seq)
+        for i, y in enumerate(tree.tokens.tolist()):
+            want = next_distribution(toy, ctx, cfg)
+            if cfg.greedy:
+                assert want[y] == 1.0, "the draft cache is out of sync with the committed sequence"
+            else:
+                assert torch.allclose(tree.q[i].double(), want, atol=1e-6), "q is not the draft's law in context"
+            ctx.append(y)
+        self.proposals += 1
+        return tree
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_cache_stays_in_sync(target, draft, temperature):
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=30, seed=5)
+    drafter = CheckingDrafter(LM(draft), 3)
+    out = list(engine.stream(LM(target), drafter, [0, 3, 1], cfg))
+    assert len(out) == 30 and drafter.proposals >= 8
+
+
+# ---------------------------------------------------------------- EOS and length
+
+
+def test_eos_inside_accepted_run_stops(target):
+    same = perturbed(target, seed=0, noise=0.0)
+    ref = plain_greedy(target, PROMPT, 10)
+    eos = ref[2]  # third token, inside the first step's accepted run of 4
+    assert eos not in ref[:2]
+    stats = engine.Stats()
+    out = generate(target, same, PROMPT, SamplingConfig(max_new_tokens=10), k=4, eos=frozenset({eos}), stats=stats)
+    assert [t.id for t in out] == ref[:3]
+    assert all(t.from_draft for t in out)
+    assert len(stats.steps) == 1 and stats.steps[0].accepted == 4  # the step had more, nothing after EOS came out
+    # stop_on_eos=False ignores it
+    cfg = SamplingConfig(max_new_tokens=10, stop_on_eos=False)
+    assert [t.id for t in generate(target, same, PROMPT, cfg, k=4, eos=frozenset({eos}))] == ref
+
+
+def test_eos_anywhere_stops_right_after_it(target, draft):
+    ref = plain_greedy(target, PROMPT, 10)
+    for i, eos in enumerate(ref):
+        if eos not in ref[:i]:
+            out = generate(target, draft, PROMPT, SamplingConfig(max_new_tokens=10), k=2, eos=frozenset({eos}))
+            assert [t.id for t in out] == ref[: i + 1]
+
+
+@pytest.mark.parametrize("max_new", [1, 3, 5, 7])
+def test_max_new_tokens_truncates_a_step(target, max_new):
+    same = perturbed(target, seed=0, noise=0.0)
+    stats = engine.Stats()
+    out = generate(target, same, PROMPT, SamplingConfig(max_new_tokens=max_new), k=4, stats=stats)
+    assert [t.id for t in out] == plain_greedy(target, PROMPT, max_new)
+    assert len(stats.steps) == math.ceil(max_new / 5)
+
+
+# ---------------------------------------------------------------- exact law (chi-square goodness of fit)
+
+
+def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed0: int) -> torch.Tensor:
+    """Counts [V]*N of the first N tokens over m seeded generations (one LM pair reused, as a server would)."""
+    t_lm, drafter = LM(target), ChainDrafter(LM(draft), 2)
+    counts = torch.zeros([V] * N, dtype=torch.float64)
+    for i in range(m):
+        run = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=N,
+                             seed=seed0 + i)
+        toks = tuple(t.id for t in engine.stream(t_lm, drafter, PROMPT, run))
+        counts[toks] += 1
+    return counts
+
+
+def goodness_of_fit(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, float, float]:
+    """(chi-square p-value with cells of expected count < 5 pooled, TV distance, TV noise floor)."""
+    m = float(counts.sum())
+    obs, exp = counts.flatten().numpy(), (law.flatten() * m).numpy()
+    assert obs[exp == 0].sum() == 0, "a token sequence of probability 0 was generated"
+    big = exp >= 5
+    f_obs = list(obs[big]) + ([obs[~big].sum()] if (~big).any() else [])
+    f_exp = list(exp[big]) + ([exp[~big].sum()] if (~big).any() else [])
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    pvalue = float(chisquare(f_obs, f_exp).pvalue)
+    p = law.flatten()
+    tv = 0.5 * float((counts.flatten() / m - p).abs().sum())
+    floor = 0.5 * float(torch.sqrt(2 * p * (1 - p) / (math.pi * m)).sum())
+    return pvalue, tv, floor
+
+
+LAW_CASES = {
+    "T=1": (SamplingConfig(temperature=1.0), 4000),
+    "T=0.7,top_p=0.9": (SamplingConfig(temperature=0.7, top_p=0.9), 3000),
+}
+
+
+@pytest.mark.parametrize("case", list(LAW_CASES))
+def test_first_tokens_follow_exact_law(target, draft, case):
+    cfg, m = LAW_CASES[case]
+    law = exact_law(target, PROMPT, cfg, N)
+    assert abs(float(law.sum()) - 1) < 1e-9
+    pvalue, tv, floor = goodness_of_fit(sample_counts(target, draft, cfg, m, seed0=1000), law)
+    assert pvalue > 1e-3, f"{case}: chi-square p-value {pvalue:.2e} (TV {tv:.4f}, noise floor {floor:.4f})"
+    assert tv < 2 * floor
+
+
+def test_chi_square_detects_a_biased_verifier(target, draft, monkeypatch):
+    """Negative control: resampling from p after a rejection (no residual) must be caught by the same harness."""
+    monkeypatch.setattr(speculor.verify, "residual", lambda r, d: r)
+    cfg = SamplingConfig(temperature=1.0)
+    pvalue, tv, floor = goodness_of_fit(sample_counts(target, draft, cfg, 3000, seed0=1000),
+                                        exact_law(target, PROMPT, cfg, N))
+    assert pvalue < 1e-6, f"biased verifier not detected: p-value {pvalue:.2e}, TV {tv:.4f}"

@@ -1,0 +1,336 @@
+"""Tiny random transformers Qwen2 models (fp32, CPU, no download): tree mask / KV cache / positions, greedy equality,
+self-drafting, and bad inputs through the public API."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from speculor import LM, Pair, SamplingConfig, Speculor, SpeculorError, engine, load_pair
+from speculor.drafters import ChainDrafter
+from speculor.models import check_same_vocab, load_model
+from speculor.tree import block_parents, path_to
+
+VOCAB = 100
+CONTEXT = 64
+PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 7, 7, 7], [99, 0, 13, 56, 21, 8, 3, 71, 30]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add overhead on a shared machine
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_qwen2(seed: int, hidden: int = 32, layers: int = 2, context: int = CONTEXT) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=context)
+    return Qwen2ForCausalLM(cfg).float().eval()
+
+
+def perturbed(model: Qwen2ForCausalLM, noise: float, seed: int) -> Qwen2ForCausalLM:
+    """A copy with every weight matrix moved by `noise` times its own spread: a draft that is often right."""
+    near = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in near.parameters():
+            if p.numel() > 1:
+                p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    return near
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer built offline: token i is words[i]."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(2, VOCAB)]
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen2ForCausalLM:
+    return tiny_qwen2(0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target) -> dict[str, Qwen2ForCausalLM]:
+    return {
+        "random": tiny_qwen2(1, hidden=16, layers=1),  # an unrelated second model: almost nothing accepted
+        "near": perturbed(target, 0.1, seed=2),  # accepts runs of 0..K tokens
+    }
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return word_tokenizer(WORDS)
+
+
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of the last position from a plain full forward (no cache, no mask, no speculor)."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(torch.argmax(reference_logits(model, seq))))
+    return seq[len(prompt):]
+
+
+# ---------------------------------------------------------------- (a) tree mask, positions and cache
+
+#        root
+#       /  |  \
+#      0   1   7
+#     / \  |
+#    2   3 4
+#    |     |
+#    5     6
+PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2, 4, -1])
+TOKENS = torch.tensor([11, 12, 13, 14, 15, 16, 17, 11])  # node 7 repeats node 0's token in another place
+
+
+@pytest.mark.parametrize("prompt", [[5, 7, 9, 11, 13, 2], [30]])
+def test_tree_logits_equal_path_logits(target, prompt):
+    lm = LM(target)
+    if len(prompt) > 1:
+        lm.forward(prompt[:-1])
+        lm.commit(list(range(len(prompt) - 1)))
+    logits = lm.forward(torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
+    assert logits.shape == (len(TOKENS) + 1, VOCAB) and logits.dtype == torch.float32
+    assert (logits[0] - reference_logits(target, prompt)).abs().max() < 1e-4
+    for i in range(len(TOKENS)):
+        path = [int(TOKENS[j]) for j in path_to(PARENTS, i)]
+        diff = (logits[i + 1] - reference_logits(target, prompt + path)).abs().max()
+        assert diff < 1e-4, f"node {i} (path {path}): max abs diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("node", [6, 3, 7, 0])
+def test_commit_of_a_non_prefix_path(target, node):
+    prompt = [5, 7, 9, 11, 13, 2]
+    lm = LM(target)
+    lm.forward(prompt[:-1])
+    lm.commit(list(range(len(prompt) - 1)))
+    lm.forward(torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
+    path = path_to(PARENTS, node)
+    lm.commit([0] + [j + 1 for j in path])
+    committed = prompt + [int(TOKENS[j]) for j in path]
+    assert lm.length == len(committed) and lm.cache.get_seq_length() == len(committed)
+    nxt = [40, 41, 42]
+    logits = lm.forward(nxt)
+    for i in range(len(nxt)):
+        ref = reference_logits(target, committed + nxt[: i + 1])
+        assert (logits[i] - ref).abs().max() < 1e-4
+
+
+def test_forward_drops_uncommitted_entries_and_returns_hidden(target):
+    lm = LM(target)
+    lm.forward([3, 4, 5])
+    lm.commit([0, 1, 2])
+    lm.forward([6, 7, 8, 9])  # never committed: the next forward must not see it
+    logits, hidden = lm.forward([10], hidden=True)
+    assert hidden.shape == (1, target.config.hidden_size)
+    assert (logits[0] - reference_logits(target, [3, 4, 5, 10])).abs().max() < 1e-4
+    lm.truncate(2)
+    assert lm.length == 2 and (lm.forward([9])[0] - reference_logits(target, [3, 4, 9])).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------- (b) speculative greedy == plain greedy
+
+
+@pytest.mark.parametrize("which", ["random", "near"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_speculative_greedy_equals_plain_greedy(target, drafts, which, k):
+    cfg = SamplingConfig(max_new_tokens=16)
+    t_lm, d_lm = LM(target), LM(drafts[which], vocab_size=VOCAB)
+    for prompt in PROMPTS:
+        plain = [t.id for t in engine.stream(t_lm, None, prompt, cfg)]
+        spec = [t.id for t in engine.stream(t_lm, ChainDrafter(d_lm, k), prompt, cfg)]
+        assert spec == plain, f"prompt {prompt}"
+        assert plain == reference_greedy(target, prompt, 16)
+
+
+def test_near_draft_exercises_partial_acceptance(target, drafts):
+    stats = engine.Stats()
+    list(engine.stream(LM(target), ChainDrafter(LM(drafts["near"]), 3), PROMPTS[0], SamplingConfig(max_new_tokens=40),
+                       stats=stats))
+    assert {0, 3} <= {s.accepted for s in stats.steps} and len({s.accepted for s in stats.steps}) >= 3
+
+
+def test_speculor_api_generates_the_greedy_tokens(target, drafts, tokenizer):
+    pair = Pair(LM(target), LM(drafts["near"]), tokenizer)
+    out = Speculor(pair, k=3).generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
+    assert out.token_ids == reference_greedy(target, PROMPTS[0], 12)
+    assert out.finish_reason == "length" and out.tau >= 1
+    plain = Speculor(pair, strategy="plain").generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
+    assert plain.token_ids == out.token_ids and plain.tau == 1
+
+
+# ---------------------------------------------------------------- (c) a model drafting for itself
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_self_draft_accepts_every_token(target, k):
+    stats = engine.Stats()
+    n = 15
+    drafter = ChainDrafter(LM(target), k)  # the same weights, its own cache
+    out = list(engine.stream(LM(target), drafter, PROMPTS[0], SamplingConfig(max_new_tokens=n), stats=stats))
+    assert [t.id for t in out] == reference_greedy(target, PROMPTS[0], n)
+    steps = [s.accepted for s in stats.steps]
+    assert steps[:-1] == [k] * (len(steps) - 1), steps  # tau = K + 1 on every full step
+    assert len(steps) == -(-n // (k + 1))
+    assert stats.tau == pytest.approx(sum(s + 1 for s in steps) / len(steps))
+
+
+# ---------------------------------------------------------------- (d) bad inputs through the public API
+
+
+@pytest.fixture(scope="module")
+def speculor_pair(target, drafts, tokenizer) -> Pair:
+    return Pair(LM(target), LM(drafts["near"]), tokenizer, "tiny-target", "tiny-draft")
+
+
+@pytest.mark.parametrize("prompt", [[], "", "   \n"])
+def test_empty_prompt(speculor_pair, prompt):
+    with pytest.raises(SpeculorError, match="empty"):
+        Speculor(speculor_pair).generate(prompt, SamplingConfig(max_new_tokens=4))
+
+
+def test_text_prompt_is_encoded(speculor_pair, target):
+    out = Speculor(speculor_pair).generate("w5 w7 w9", SamplingConfig(max_new_tokens=5, stop_on_eos=False))
+    assert out.token_ids == reference_greedy(target, [5, 7, 9], 5)
+
+
+@pytest.mark.parametrize(("prompt_len", "max_new"), [(10, CONTEXT - 9), (CONTEXT, 1), (CONTEXT + 5, 1)])
+def test_prompt_plus_max_new_tokens_over_the_context(speculor_pair, prompt_len, max_new):
+    with pytest.raises(SpeculorError, match="context length"):
+        Speculor(speculor_pair).generate([3] * prompt_len, SamplingConfig(max_new_tokens=max_new))
+
+
+def test_prompt_filling_the_context_exactly_is_fine(speculor_pair):
+    out = Speculor(speculor_pair).generate([3] * (CONTEXT - 4), SamplingConfig(max_new_tokens=4, stop_on_eos=False))
+    assert len(out.token_ids) == 4
+
+
+def test_check_same_vocab():
+    check_same_vocab(word_tokenizer(WORDS), word_tokenizer(list(WORDS)))
+    with pytest.raises(SpeculorError, match="vocabulary differs"):
+        check_same_vocab(word_tokenizer(WORDS), word_tokenizer(WORDS[:-1] + ["other"]))
+    with pytest.raises(SpeculorError, match="vocabulary differs"):
+        check_same_vocab(word_tokenizer(WORDS), word_tokenizer(WORDS[:50]))
+
+
+def nan_copy(model):
+    bad = copy.deepcopy(model)
+    with torch.no_grad():
+        bad.lm_head.weight.fill_(float("nan"))
+    return bad
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_nan_logits(target, drafts, tokenizer, which, temperature):
+    bad, good = LM(nan_copy(target)), LM(drafts["near"])
+    pair = Pair(bad, good, tokenizer) if which == "target" else Pair(LM(target), bad, tokenizer)
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=4, seed=0)
+    with pytest.raises(SpeculorError, match=f"{which} model produced NaN"):
+        Speculor(pair, k=2).generate([1, 2, 3], cfg)
+
+
+def test_nan_target_in_plain_decoding(target, tokenizer):
+    pair = Pair(LM(nan_copy(target)), None, tokenizer)
+    with pytest.raises(SpeculorError, match="NaN"):
+        Speculor(pair, strategy="plain").generate([1, 2, 3], SamplingConfig(max_new_tokens=4))
+
+
+def test_unknown_strategy(speculor_pair):
+    with pytest.raises(SpeculorError, match="unknown strategy"):
+        Speculor(speculor_pair, strategy="nope")
+    sp = Speculor(speculor_pair)
+    with pytest.raises(SpeculorError, match="unknown strategy"):
+        sp.generate([1, 2], SamplingConfig(max_new_tokens=2), strategy="nope")
+
+
+@pytest.mark.parametrize("k", [0, -1, 65, 2.5, "3", None])
+def test_bad_k(speculor_pair, k):
+    with pytest.raises(SpeculorError, match="k must be"):
+        Speculor(speculor_pair, strategy="chain", k=k)
+
+
+def test_bad_option_and_missing_draft(speculor_pair, tokenizer):
+    with pytest.raises(SpeculorError, match="bad options"):
+        Speculor(speculor_pair, strategy="chain", depth=3)
+    with pytest.raises(SpeculorError, match="needs a draft"):
+        Speculor(Pair(speculor_pair.target, None, tokenizer), strategy="chain")
+
+
+def test_drafter_refuses_bad_k(speculor_pair):
+    with pytest.raises(ValueError):
+        ChainDrafter(speculor_pair.draft, 0)
+
+
+# ---------------------------------------------------------------- loading from disk
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, target, drafts):
+    """Folders with tiny models and tokenizers: a good target, a good draft, a draft with another vocabulary."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, model, words in [("target", target, WORDS), ("draft", drafts["near"], WORDS),
+                               ("other_vocab", drafts["near"], WORDS[:-1] + ["other"])]:
+        model.save_pretrained(root / name)
+        word_tokenizer(words).save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def test_load_pair_from_folders(saved, target):
+    pair = load_pair(saved["target"], saved["draft"])
+    assert pair.target.vocab_size == VOCAB and pair.draft is not None
+    out = Speculor(pair, k=2).generate([4, 5, 6], SamplingConfig(max_new_tokens=6, stop_on_eos=False))
+    assert out.token_ids == reference_greedy(target, [4, 5, 6], 6)
+
+
+def test_load_pair_refuses_a_draft_with_another_vocabulary(saved):
+    with pytest.raises(SpeculorError, match="vocabulary differs"):
+        load_pair(saved["target"], saved["other_vocab"])
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage" * 100, b"\x08\x00\x00\x00\x00\x00\x00\x00{}", "truncated"])
+def test_corrupt_model_file(saved, tmp_path, content):
+    folder = tmp_path / "corrupt"
+    folder.mkdir()
+    good = Path(saved["target"])
+    (folder / "config.json").write_text((good / "config.json").read_text())
+    if content == "truncated":
+        data = (good / "model.safetensors").read_bytes()
+        content = data[: len(data) // 2]
+    (folder / "model.safetensors").write_bytes(content)
+    with pytest.raises(SpeculorError, match="could not load"):
+        load_model(str(folder))
+    with pytest.raises(SpeculorError):
+        load_pair(str(folder), None)
+
+
+def test_corrupt_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SpeculorError):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec", ["/nonexistent/model/folder", "no-such-model-name", "/tmp/none.gguf"])
+def test_missing_model(spec):
+    with pytest.raises(SpeculorError, match="no model at"):
+        load_model(spec)

@@ -1,0 +1,515 @@
+"""Acceptance rules of verify.py on crafted distributions, checked by exact enumeration (ALGORITHMS.md §1, §2, §10).
+
+Notation of the papers: p is the target distribution, q the draft's; d_j the law the j-th sibling was drawn from.
+
+Two independent computations of a verifier's output law are used:
+  * `mirror_*`: an analytic float64 re-statement of the rule (every draft draw enumerated with its probability,
+    the accept / reject branches weighted by min(1, r/d) and 1 - min(1, r/d));
+  * `real_law`: the law of `speculor.verify.verify_sampled` itself, obtained by running it on every branch of its
+    random choices: each uniform u is scripted just below (accept) or just above (reject) the threshold r[x]/d[x]
+    read from the residual and draw law the code was using, the branch weighted by the exact probability
+    P(u·d[x] < r[x]) = min(1, r[x]/d[x]), and the final `sample(r)` replaced by the whole distribution r.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import speculor.verify as verify
+from speculor.config import SamplingConfig
+from speculor.sampling import warp
+from speculor.tree import DraftTree
+from speculor.verify import Verdict, accept_at_node, verify_greedy, verify_sampled
+
+F64 = torch.float64
+EXACT = 1e-12
+CASES = ["random", "q_zeros", "q_eq_p", "disjoint", "top_p"]
+
+
+# ---------------------------------------------------------------- distributions
+
+
+class Tables:
+    """p(.|ctx) and q(.|ctx) (fp64) for every context of up to 2 tokens, built for one `case`."""
+
+    def __init__(self, case: str, v: int, seed: int) -> None:
+        self.v = v
+        g = torch.Generator().manual_seed(seed)
+        self.p: dict[tuple[int, ...], torch.Tensor] = {}
+        self.q: dict[tuple[int, ...], torch.Tensor] = {}
+        for n in range(3):
+            for ctx in itertools.product(range(v), repeat=n):
+                self.p[ctx], self.q[ctx] = self._pair(case, g)
+
+    def _pair(self, case: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.v
+        zp, zq = 2 * torch.randn(v, generator=g, dtype=F64), 2 * torch.randn(v, generator=g, dtype=F64)
+        p, q = zp.softmax(-1), zq.softmax(-1)
+        if case == "q_zeros":  # q misses about half of the tokens (never all)
+            dead = torch.randperm(v, generator=g)[: v // 2 + 1]
+            q[dead] = 0
+        elif case == "q_eq_p":
+            q = p.clone()
+        elif case == "disjoint":
+            perm = torch.randperm(v, generator=g)
+            p[perm[: (v + 1) // 2]] = 0
+            q[perm[(v + 1) // 2:]] = 0
+        elif case == "top_p":  # both transformed alike by W, as the engine does
+            cfg = SamplingConfig(temperature=1.0, top_p=0.8)
+            p, q = warp(zp, cfg).double(), warp(zq, cfg).double()
+        return p / p.sum(), q / q.sum()
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def l1(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().sum())
+
+
+def accept_prob(r_x: float, d_x: float) -> float:
+    """P(u·d_x < r_x) for u ~ U(0, 1): the acceptance test of §1/§2."""
+    if d_x == 0:
+        return 1.0 if r_x > 0 else 0.0
+    return min(1.0, r_x / d_x)
+
+
+def resid(r: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    res = torch.clamp(r - d, min=0)
+    return r if float(res.sum()) <= 1e-12 else res / res.sum()
+
+
+# ---------------------------------------------------------------- the real verifier, every branch
+
+
+class _Branch(Exception):
+    pass
+
+
+def real_law(tree: DraftTree, p: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """Exact law of the tokens emitted by `verify_sampled(tree, p)` (path tokens + recovered/bonus token)."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    real_draw = verify._draw_distribution
+    state: dict = {}
+
+    def draw_distribution(tree_, c, drawn, r):
+        d = real_draw(tree_, c, drawn, r)
+        if d is not None:
+            x = int(tree_.tokens[c])
+            r_x, d_x = float(r[x]), float(d[x])
+            state["pending"] = (accept_prob(r_x, d_x), r_x / d_x if d_x > 0 else math.inf)
+        return d
+
+    def rand(*args, **kwargs):
+        (acc, threshold), state["pending"] = state["pending"], None
+        if state["i"] == len(state["script"]):
+            raise _Branch(acc)
+        accept = state["script"][state["i"]]
+        state["i"] += 1
+        state["weight"] *= acc if accept else 1 - acc
+        # u just below / just above the threshold r/d: a verifier testing anything else takes the wrong branch
+        u = min(threshold, 1.0) * (1 - 1e-9) if accept else threshold * (1 + 1e-9)
+        return torch.tensor(u, dtype=F64)
+
+    def sample(r, generator):
+        state["final"] = r.clone()
+        return -1
+
+    class TorchProxy:
+        def __getattr__(self, name):
+            return rand if name == "rand" else getattr(torch, name)
+
+    def explore(script: list[bool]) -> None:
+        state.update(script=script, i=0, weight=1.0, final=None, pending=None)
+        try:
+            verdict = verify_sampled(tree, p, None)
+        except _Branch as branch:
+            acc = branch.args[0]
+            if acc > 0:
+                explore(script + [True])
+            if acc < 1:
+                explore(script + [False])
+            return
+        emitted = tuple(int(tree.tokens[i]) for i in verdict.path)
+        if state["final"] is None:
+            law[emitted + (verdict.token,)] += state["weight"]
+        else:
+            for x, px in enumerate(state["final"].tolist()):
+                if px > 0:
+                    law[emitted + (x,)] += state["weight"] * px
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify, "torch", TorchProxy())
+        mp.setattr(verify, "_draw_distribution", draw_distribution)
+        mp.setattr(verify, "sample", sample)
+        explore([])
+    return dict(law)
+
+
+# ---------------------------------------------------------------- chains (§1): every draft draw enumerated
+
+
+def mirror_chain(t: Tables, k: int, no_residual: bool = False) -> dict[tuple[int, ...], float]:
+    """Analytic law of one step of Leviathan/Chen speculative sampling with a K-token chain."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def rec(ctx: tuple[int, ...], prob: float) -> None:
+        p = t.p[ctx]
+        if len(ctx) == k:  # every draft token accepted: bonus ~ p
+            for x in range(t.v):
+                law[ctx + (x,)] += prob * float(p[x])
+            return
+        q = t.q[ctx]
+        for y in range(t.v):
+            if q[y] > 0:
+                rec(ctx + (y,), prob * float(q[y]) * accept_prob(float(p[y]), float(q[y])))
+        reject = 1 - float(torch.minimum(p, q).sum())
+        after = p if no_residual else resid(p, q)
+        for x in range(t.v):
+            law[ctx + (x,)] += prob * reject * float(after[x])
+
+    rec((), 1.0)
+    return dict(law)
+
+
+def real_chain(t: Tables, k: int) -> dict[tuple[int, ...], float]:
+    """Law of verify_sampled over every draft chain y_1..y_K ~ q, weighted by its probability."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    for ys in itertools.product(range(t.v), repeat=k):
+        weight = math.prod(float(t.q[ys[:i]][y]) for i, y in enumerate(ys))
+        if weight == 0:
+            continue
+        tree = DraftTree.chain(list(ys), torch.stack([t.q[ys[:i]] for i in range(k)]))
+        p = torch.stack([t.p[ys[:i]] for i in range(k + 1)])
+        for out, prob in real_law(tree, p).items():
+            law[out] += weight * prob
+    return dict(law)
+
+
+def complete(law: dict[tuple[int, ...], float], t: Tables, n: int) -> torch.Tensor:
+    """Extend every emitted sequence to n tokens by ancestral sampling from p: a lossless step gives p's law."""
+    out = torch.zeros([t.v] * n, dtype=F64)
+    for seq, prob in law.items():
+        for rest in itertools.product(range(t.v), repeat=n - len(seq)):
+            full, w = seq, prob
+            for x in rest:
+                w *= float(t.p[full][x])
+                full = full + (x,)
+            out[full] += w
+    return out
+
+
+def target_law(t: Tables, n: int) -> torch.Tensor:
+    return complete({(): 1.0}, t, n)
+
+
+def as_tensor(law: dict[tuple[int, ...], float], t: Tables, n: int) -> torch.Tensor:
+    return complete(law, t, n)
+
+
+@pytest.mark.parametrize("v", [3, 4, 5])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("k", [1, 2])
+def test_chain_is_exact(v, case, k):
+    t = Tables(case, v, seed=10 * v + k)
+    want = target_law(t, k + 1)
+    assert abs(float(want.sum()) - 1) < EXACT
+    mirror = mirror_chain(t, k)
+    assert l1(as_tensor(mirror, t, k + 1), want) < EXACT
+    real = real_chain(t, k)
+    assert max(abs(real.get(s, 0.0) - mirror.get(s, 0.0)) for s in set(real) | set(mirror)) < EXACT
+    assert l1(as_tensor(real, t, k + 1), want) < EXACT
+
+
+@pytest.mark.parametrize("v", [3, 4, 5])
+def test_chain_without_residual_is_detected(v, monkeypatch):
+    """Negative control: resampling from p (not the residual) after a rejection is biased, and the harness sees it."""
+    t = Tables("random", v, seed=v)
+    want = target_law(t, 3)
+    assert tv(as_tensor(mirror_chain(t, 2, no_residual=True), t, 3), want) > 0.01
+    monkeypatch.setattr(verify, "residual", lambda r, d: r)
+    assert tv(as_tensor(real_chain(t, 2), t, 3), want) > 0.01
+
+
+# ---------------------------------------------------------------- one node, several children (§2)
+
+
+def iid_draws(q: torch.Tensor, k: int):
+    """Every i.i.d. sequence of k draws from q with its probability."""
+    for xs in itertools.product(range(len(q)), repeat=k):
+        w = math.prod(float(q[x]) for x in xs)
+        if w > 0:
+            yield list(xs), w
+
+
+def swor_draws(q: torch.Tensor, k: int):
+    """Every sequence of min(k, |supp q|) draws without replacement from q, with its probability."""
+    support = [x for x in range(len(q)) if q[x] > 0]
+    for xs in itertools.permutations(support, min(k, len(support))):
+        w, left = 1.0, 1.0
+        for x in xs:
+            w *= float(q[x]) / left
+            left -= float(q[x])
+        yield list(xs), w
+
+
+def top_k(q: torch.Tensor, k: int) -> list[int]:
+    return torch.topk(q, min(k, len(q))).indices.tolist()
+
+
+def swor_laws(q: torch.Tensor, xs: list[int]) -> list[torch.Tensor]:
+    """d_j of SWOR: q with the earlier draws zeroed, renormalised (None-free: callers stop at an empty one)."""
+    out = []
+    for j in range(len(xs)):
+        d = q.clone()
+        d[xs[:j]] = 0
+        out.append(d / d.sum() if d.sum() > 0 else d)
+    return out
+
+
+def mirror_node(p: torch.Tensor, xs: list[int], ds: list[torch.Tensor], point: bool = False) -> torch.Tensor:
+    """Analytic law of the recursive rejection loop of §2 for draws xs with draw laws ds (first emitted token)."""
+    out, r, stay = torch.zeros_like(p), p.clone(), 1.0
+    for x, d in zip(xs, ds, strict=True):
+        if point:
+            d = torch.nn.functional.one_hot(torch.tensor(x), len(p)).to(F64)
+        if float(d.sum()) == 0:
+            break
+        a = accept_prob(float(r[x]), float(d[x]))
+        out[x] += stay * a
+        stay *= 1 - a
+        r = resid(r, d)
+    return out + stay * r
+
+
+def first_token(law: dict[tuple[int, ...], float], v: int) -> torch.Tensor:
+    out = torch.zeros(v, dtype=F64)
+    for seq, prob in law.items():
+        out[seq[0]] += prob
+    return out
+
+
+def node_tree(xs: list[int], q: torch.Tensor | None, draw: str, pad: int = 0) -> DraftTree:
+    """k children of the root (plus `pad` extra children a SWOR draft could not have drawn)."""
+    tokens = xs + [xs[0]] * pad
+    qs = None if q is None else q.expand(len(tokens), -1).clone()
+    return DraftTree(torch.tensor(tokens), torch.full((len(tokens),), -1), qs, draw)
+
+
+def node_p(p: torch.Tensor, n_children: int) -> torch.Tensor:
+    """Block rows for verify_sampled: p at the root, then (irrelevant here) uniform rows at the children."""
+    return torch.cat([p[None], torch.full((n_children, len(p)), 1 / len(p), dtype=F64)])
+
+
+def node_law(rule: str, p: torch.Tensor, q: torch.Tensor, k: int, real: bool, pad: int = 0) -> torch.Tensor:
+    """First-token law of a node with k children drawn by `rule` and verified by `rule` (the correct pairing)."""
+    out = torch.zeros_like(p)
+    if rule == "point":
+        draws = [(top_k(q, k), 1.0)]
+    else:
+        draws = iid_draws(q, k) if rule == "iid" else swor_draws(q, k)
+    for xs, w in draws:
+        if real:
+            tree = node_tree(xs, None if rule == "point" else q, rule, pad)
+            out += w * first_token(real_law(tree, node_p(p, len(tree))), len(p))
+        else:
+            ds = [q] * len(xs) if rule == "iid" else swor_laws(q, xs)
+            out += w * mirror_node(p, xs, ds, point=rule == "point")
+    return out
+
+
+@pytest.mark.parametrize("v", [3, 4, 5])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rule", ["iid", "swor", "point"])
+def test_node_rule_is_exact(rule, case, v):
+    t = Tables(case, v, seed=100 + v)
+    p, q = t.p[()], t.q[()]
+    for k in (1, 2, 3):
+        assert l1(node_law(rule, p, q, k, real=False), p) < EXACT, f"mirror, k={k}"
+        assert l1(node_law(rule, p, q, k, real=True), p) < EXACT, f"verify_sampled, k={k}"
+
+
+@pytest.mark.parametrize("v", [3, 4])
+def test_swor_with_more_children_than_support(v):
+    """k > |supp q|: the SWOR draft stops early; extra undrawable children are skipped by the verifier."""
+    t = Tables("q_zeros", v, seed=7)
+    p, q = t.p[()], t.q[()]
+    support = int((q > 0).sum())
+    assert support < 3
+    assert l1(node_law("swor", p, q, 3, real=True), p) < EXACT
+    assert l1(node_law("swor", p, q, 3, real=True, pad=2), p) < EXACT
+
+
+def test_swor_covering_supp_p_always_accepts():
+    """SWOR with k = |supp q| and supp q ⊇ supp p accepts some child with probability 1 (§10.2)."""
+    t = Tables("random", 4, seed=3)
+    p, q = t.p[()], t.q[()]
+    for xs, w in swor_draws(q, 4):
+        law = real_law(node_tree(xs, q, "swor"), node_p(p, 4))
+        assert all(len(seq) == 2 for seq in law), "a child must be accepted (path of length 1 + bonus)"
+        assert abs(sum(law.values()) - 1) < EXACT and w > 0
+
+
+@pytest.mark.parametrize("v", [3, 4, 5])
+def test_point_rule_accepts_with_children_mass(v):
+    """Deterministic top-k + point-mass rule: P(some child accepted) = Σ_children p(x)."""
+    t = Tables("random", v, seed=v)
+    p, q = t.p[()], t.q[()]
+    for k in (1, 2, 3):
+        xs = top_k(q, k)
+        law = real_law(node_tree(xs, None, "point"), node_p(p, len(xs)))
+        accepted = sum(w for seq, w in law.items() if len(seq) == 2)
+        assert abs(accepted - float(p[xs].sum())) < EXACT
+
+
+@pytest.mark.parametrize("v", [3, 4, 5])
+@pytest.mark.parametrize("case", ["random", "q_zeros", "top_p"])
+def test_k1_acceptance_is_one_minus_tv(v, case):
+    t = Tables(case, v, seed=20 + v)
+    p, q = t.p[()], t.q[()]
+    accepted = 0.0
+    for xs, w in iid_draws(q, 1):
+        law = real_law(node_tree(xs, q, "iid"), node_p(p, 1))
+        accepted += w * sum(prob for seq, prob in law.items() if len(seq) == 2)
+    assert abs(accepted - (1 - tv(p, q))) < EXACT
+
+
+def biased_law(kind: str, p: torch.Tensor, q: torch.Tensor, k: int, real: bool) -> torch.Tensor:
+    """First-token law of a wrong draw/verify pairing from the §2 table."""
+    out = torch.zeros_like(p)
+    if kind == "iid_draws_swor_verify":
+        draws, verify_as = iid_draws(q, k), "swor"
+    elif kind == "swor_draws_iid_verify":
+        draws, verify_as = swor_draws(q, k), "iid"
+    else:  # "topk_ratio_test": deterministic children verified with the ratio test against q
+        draws, verify_as = [(top_k(q, k), 1.0)], "iid"
+    for xs, w in draws:
+        if real:
+            out += w * first_token(real_law(node_tree(xs, q, verify_as), node_p(p, len(xs))), len(p))
+        else:
+            ds = swor_laws(q, xs) if verify_as == "swor" else [q] * len(xs)
+            out += w * mirror_node(p, xs, ds)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["iid_draws_swor_verify", "swor_draws_iid_verify", "topk_ratio_test"])
+@pytest.mark.parametrize("v", [3, 4, 5])
+def test_wrong_pairings_are_detected(kind, v):
+    """Negative controls (§2 table): the bias depends on (p, q) and vanishes for some pairs, so look at a few."""
+    worst = 0.0
+    for seed in range(30, 36):
+        t = Tables("random", v, seed=seed)
+        p, q = t.p[()], t.q[()]
+        mirror, real = biased_law(kind, p, q, 3, real=False), biased_law(kind, p, q, 3, real=True)
+        assert l1(mirror, real) < EXACT  # the real verifier, mislabelled, does exactly what the wrong rule says
+        worst = max(worst, tv(real, p))
+    assert worst > 0.01
+
+
+# ---------------------------------------------------------------- the residual after a rejection
+
+
+def reject_everything(monkeypatch) -> None:
+    class TorchProxy:
+        def __getattr__(self, name):
+            return (lambda *a, **kw: torch.tensor(1.0)) if name == "rand" else getattr(torch, name)
+
+    monkeypatch.setattr(verify, "torch", TorchProxy())
+
+
+@pytest.mark.parametrize("draw", ["iid", "swor", "point"])
+def test_residual_after_rejection(draw, monkeypatch):
+    """After rejecting x: r(x) = 0, Σr = 1, no NaN; a SWOR draft has no mass on siblings already drawn."""
+    reject_everything(monkeypatch)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float32)
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float32)
+    tree = node_tree([0, 1], None if draw == "point" else q, draw)
+    accepted, r = accept_at_node(p, [0, 1], tree, None)
+    assert accepted is None
+    assert torch.isfinite(r).all()
+    assert abs(float(r.sum()) - 1) < 1e-6
+    assert float(r[0]) == 0 and float(r[1]) == 0
+    if draw == "swor":
+        d = verify._draw_distribution(tree, 1, [0], p)
+        assert float(d[0]) == 0 and abs(float(d.sum()) - 1) < 1e-6
+
+
+def test_rejection_when_q_equals_p_keeps_p(monkeypatch):
+    """resid(p, p) has no mass; the verifier keeps r = p (rejection had probability 0) and never produces NaN."""
+    reject_everything(monkeypatch)
+    p = torch.tensor([0.25, 0.25, 0.5])
+    accepted, r = accept_at_node(p, [0], node_tree([2], p, "iid"), None)
+    assert accepted is None and torch.equal(r, p)
+
+
+def test_verify_sampled_with_real_generator():
+    """Monte-Carlo check of the real random path (torch.rand / multinomial) against p for a 2-child iid node."""
+    t = Tables("random", 4, seed=5)
+    p, q = t.p[()].float(), t.q[()].float()
+    g = torch.Generator().manual_seed(0)
+    m = 6000
+    counts = torch.zeros(4)
+    for _ in range(m):
+        xs = torch.multinomial(q, 2, replacement=True, generator=g).tolist()
+        tree = node_tree(xs, q, "iid")
+        verdict = verify_sampled(tree, node_p(p.double(), 2).float(), g)
+        counts[xs[verdict.path[0]] if verdict.path else verdict.token] += 1
+    exp = (p.double() * m).numpy()
+    assert chisquare(counts.numpy(), exp * (m / exp.sum())).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- greedy
+
+
+def peaked(rows: list[int], v: int = 5) -> torch.Tensor:
+    """Logits whose argmax in row i is rows[i]."""
+    logits = torch.zeros(len(rows), v)
+    logits[torch.arange(len(rows)), torch.tensor(rows)] = 3.0
+    return logits + 0.1 * torch.arange(v)  # no ties
+
+
+def test_greedy_chain_perfect_match():
+    tree = DraftTree.chain([2, 4, 1])
+    assert verify_greedy(tree, peaked([2, 4, 1, 3])) == Verdict([0, 1, 2], 3)
+
+
+@pytest.mark.parametrize("j", [0, 1, 2])
+def test_greedy_chain_early_mismatch(j):
+    rows = [2, 4, 1, 3]
+    rows[j] = 0  # the target disagrees at position j
+    tree = DraftTree.chain([2, 4, 1])
+    assert verify_greedy(tree, peaked(rows)) == Verdict(list(range(j)), 0)
+
+
+def test_greedy_empty_draft():
+    tree = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    assert verify_greedy(tree, peaked([3])) == Verdict([], 3)
+
+
+def test_greedy_ties_take_lowest_id():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
+    assert verify_greedy(DraftTree.chain([3]), logits) == Verdict([], 1)  # 3 ties with 1, 1 wins
+    assert verify_greedy(DraftTree.chain([1]), logits) == Verdict([0], 0)  # then all tie: 0
+
+
+def test_greedy_follows_the_matching_branch():
+    # root children: node 0 (token 1), node 1 (token 2); node 1 has children node 2 (token 3), node 3 (token 4)
+    tree = DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, -1, 1, 1]))
+    logits = peaked([2, 0, 4, 0, 1])  # rows: root, node 0, node 1, node 2, node 3
+    assert verify_greedy(tree, logits) == Verdict([1, 3], 1)
+
+
+def test_sampled_point_mass_p_matches_greedy():
+    """When p is a point mass every rule reduces to greedy."""
+    g = torch.Generator().manual_seed(0)
+    tree = DraftTree.chain([2, 4, 1], torch.full((3, 5), 0.2))
+    p = torch.nn.functional.one_hot(torch.tensor([2, 4, 0, 3]), 5).float()
+    for _ in range(20):
+        assert verify_sampled(tree, p, g) == Verdict([0, 1], 0)
