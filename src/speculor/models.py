@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from speculor import embedded
 from speculor.errors import SpeculorError
+from speculor.kernels import pack_linears
 from speculor.tree import attention_mask, position_ids
 
 
@@ -135,15 +136,22 @@ def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
 
 
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
-              dtype: torch.dtype = torch.float32) -> Pair:
-    """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair."""
+              dtype: torch.dtype = torch.float32, packed: bool = True) -> Pair:
+    """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
+
+    packed: on a CPU in fp32, run multi-row matmuls through prepacked oneDNN weights (kernels.py).
+    """
     target = embedded.DEFAULT_TARGET if target == "default" else target
     draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
     t_model, tokenizer = load_model(target, device=device, dtype=dtype)
+    if packed:
+        pack_linears(t_model)
     t_lm = LM(t_model)
     d_lm = None
     if draft is not None:
         d_model, d_tok = load_model(draft, device=device, dtype=dtype)
         check_same_vocab(tokenizer, d_tok)
+        if packed:
+            pack_linears(d_model)
         d_lm = LM(d_model, vocab_size=t_lm.vocab_size)
     return Pair(t_lm, d_lm, tokenizer, target, draft or "")

@@ -1,0 +1,54 @@
+"""PackedLinear: the same function as nn.Linear (one-row path bit-exact, blocks within fp32 rounding)."""
+
+import pytest
+import torch
+
+from speculor.kernels import PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+def test_packed_linear_matches_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(lin)
+    x = torch.randn(1, rows, 48)
+    with torch.inference_mode():
+        ref, got = lin(x), packed(x)
+    assert got.shape == ref.shape
+    if rows == 1:
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linears_keeps_parameters_and_skips_non_fp32() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    params = [p.data_ptr() for p in model.parameters()]
+    assert pack_linears(model) == 2
+    assert all(isinstance(m, PackedLinear) for m in (model[0], model[2]))
+    assert [p.data_ptr() for p in model.parameters()] == params
+    half = torch.nn.Sequential(torch.nn.Linear(8, 8)).to(torch.bfloat16)
+    assert not can_pack(half) and pack_linears(half) == 0
+
+
+def test_packed_model_gives_the_same_greedy_tokens() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from speculor.config import SamplingConfig
+    from speculor.drafters import ChainDrafter
+    from speculor.engine import stream
+    from speculor.models import LM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256)
+    target, draft = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    prompt, sc = [3, 9, 27, 14, 5], SamplingConfig(max_new_tokens=20)
+    plain = [t.id for t in stream(LM(target), None, prompt, sc)]
+    pack_linears(target)
+    pack_linears(draft)
+    spec = [t.id for t in stream(LM(target), ChainDrafter(LM(draft), 4), prompt, sc)]
+    assert spec == plain
