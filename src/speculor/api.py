@@ -65,7 +65,8 @@ class Speculor:
         return self.pair.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def tokens(self, prompt: str | list[int], cfg: SamplingConfig, *, chat: bool = False,
-               strategy: str | None = None, stats: engine.Stats | None = None, **options: Any) -> Iterator[engine.Token]:
+               strategy: str | None = None, stats: engine.Stats | None = None,
+               **options: Any) -> Iterator[engine.Token]:
         """Token events of one generation (no stop-string handling)."""
         name = strategy or self.strategy
         drafter = make_drafter(name, self.pair, **(options if strategy else {**self.options, **options}))

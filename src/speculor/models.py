@@ -122,6 +122,8 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         raise SpeculorError(f"could not load the model at {spec!r} (corrupt or unsupported file?): {exc}") from exc
+    if len(tokenizer) < 2:  # transformers quietly builds an empty tokenizer when the files are missing
+        raise SpeculorError(f"the model at {spec!r} has no usable tokenizer (tokenizer files missing?)")
     return model, tokenizer
 
 
