@@ -37,7 +37,8 @@ def catch_up(lm: LM, seq: list[int]) -> torch.Tensor:
     return logits
 
 
-def draw(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+def draw(logits: torch.Tensor, cfg: SamplingConfig,
+         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """One draft token and the distribution q it was drawn from (None when greedy)."""
     check_finite(logits, "draft")
     if cfg.greedy:

@@ -39,7 +39,7 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     @staticmethod
-    def chain(tokens: list[int], q: torch.Tensor | None = None, draw: Draw = "iid") -> "DraftTree":
+    def chain(tokens: list[int], q: torch.Tensor | None = None, draw: Draw = "iid") -> DraftTree:
         n = len(tokens)
         return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, n - 1), q, draw)
 
