@@ -52,3 +52,23 @@ def test_packed_model_gives_the_same_greedy_tokens() -> None:
     pack_linears(draft)
     spec = [t.id for t in stream(LM(target), ChainDrafter(LM(draft), 4), prompt, sc)]
     assert spec == plain
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_linear_approximates_linear_and_eager_restores_it(rows: int) -> None:
+    from speculor.kernels import Int8Linear, eager
+
+    torch.manual_seed(rows)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    ref_lin = model[0]
+    x = torch.randn(2, rows, 64)
+    with torch.inference_mode():
+        ref = ref_lin(x)
+        assert pack_linears(model, Int8Linear) == 1
+        got = model(x)
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        rel = (got - ref).norm() / ref.norm()
+        assert 0 < rel < 2e-2  # quantized, so not exact, but close
+        with eager(model):
+            assert torch.equal(model(x), ref)
+        assert torch.equal(model(x), got)  # switched back on after the block

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from speculor import embedded
 from speculor.errors import SpeculorError
-from speculor.kernels import pack_linears
+from speculor.kernels import Int8Linear, PackedLinear, pack_linears
 from speculor.tree import attention_mask, position_ids
 
 
@@ -138,10 +138,12 @@ def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
 
 
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, packed: bool = True) -> Pair:
+              dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True) -> Pair:
     """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
 
-    packed: on a CPU in fp32, run multi-row matmuls through prepacked oneDNN weights (kernels.py).
+    packed: on a CPU in fp32, run the target's multi-row matmuls through prepacked oneDNN weights;
+    draft_int8: run the draft with int8 weights (kernels.py). Neither changes what is generated: the
+    target's arithmetic stays fp32, and the draft only proposes.
     """
     target = embedded.DEFAULT_TARGET if target == "default" else target
     draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
@@ -153,7 +155,7 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     if draft is not None:
         d_model, d_tok = load_model(draft, device=device, dtype=dtype)
         check_same_vocab(tokenizer, d_tok)
-        if packed:
-            pack_linears(d_model)
+        if packed or draft_int8:
+            pack_linears(d_model, Int8Linear if draft_int8 else PackedLinear)
         d_lm = LM(d_model, vocab_size=t_lm.vocab_size)
     return Pair(t_lm, d_lm, tokenizer, target, draft or "")

@@ -12,6 +12,7 @@ import torch
 
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
+from speculor.kernels import eager
 from speculor.models import Pair
 
 PEERS = ("hf-assisted", "hf-prompt-lookup")
@@ -39,7 +40,8 @@ def hf_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
     eos = sorted(eos_ids) if cfg.stop_on_eos else None
     ids = torch.tensor([prompt], device=pair.target.device)
     t0 = time.perf_counter()
-    out = pair.target.model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
-                                     pad_token_id=(eos or [0])[0], **kwargs)
+    with eager(pair.target.model, pair.draft.model if pair.draft else None):  # the models as the user gave them
+        out = pair.target.model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
+                                         pad_token_id=(eos or [0])[0], **kwargs)
     wall = time.perf_counter() - t0
     return out[0, len(prompt):].tolist(), wall
