@@ -1,4 +1,4 @@
-"""Command line: `speculor generate | bench | fetch-models | serve`. argparse lives here only."""
+"""Command line: `speculor generate | bench | calibrate | profile | fetch-models | serve`. argparse lives here only."""
 
 from __future__ import annotations
 
@@ -24,6 +24,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
 
 
+def _budget(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=_budget, default=None, help="sequoia: draft tokens per step, or 'auto'")
+    p.add_argument("--depth", type=int, default=None, help="sequoia: most draft tokens on a path")
+    p.add_argument("--width", type=int, default=None, help="sequoia: most children per node")
+    p.add_argument("--acc", default=None, help="sequoia: calibration JSON (default: cached, else built-in)")
+
+
+def _strategy_options(args: argparse.Namespace) -> dict:
+    names = ("k", "budget", "depth", "width", "acc")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="speculor", description="Lossless speculative decoding with token trees.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -35,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_tree_args(g)
     _add_model_args(g)
     _add_sampling_args(g)
 
@@ -43,6 +60,25 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(b)
     _add_model_args(b)
 
+    c = sub.add_parser("calibrate", help="measure Sequoia's acceptance vector for a model pair (cached)")
+    c.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy matching of top-W")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--width", type=int, default=16, help="children drafted per step (W)")
+    c.add_argument("--prompts", type=int, default=12, help="number of prompts")
+    c.add_argument("--steps", type=int, default=24, help="steps per prompt")
+    c.add_argument("--sets", default="mtbench,humaneval")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default=None, help="JSON file (default: the cache, where `sequoia` looks)")
+    _add_model_args(c)
+
+    pr = sub.add_parser("profile", help="time target and draft forwards on this machine; show the auto tree")
+    pr.add_argument("--repeats", type=int, default=3)
+    pr.add_argument("--force", action="store_true", help="profile again even if a profile is cached")
+    pr.add_argument("--temperatures", default="0,0.7", help="show the chosen tree at these temperatures")
+    pr.add_argument("--depth", type=int, default=8)
+    pr.add_argument("--width", type=int, default=8)
+    _add_model_args(pr)
+
     sub.add_parser("fetch-models", help="download and convert the embedded model pair and prompt sets")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -50,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--strategy", default="chain")
     s.add_argument("--queue-size", type=int, default=64)
+    s.add_argument("--k", type=int, default=None, help="draft length of the chain strategy")
+    _add_tree_args(s)
     _add_model_args(s)
     return ap
 
@@ -70,8 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     cfg = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
-    options = {"k": args.k} if args.k is not None else {}
-    sp = Speculor(load_pair_from_args(args), strategy=args.strategy, **options)
+    sp = Speculor(load_pair_from_args(args), strategy=args.strategy, **_strategy_options(args))
     if args.json:
         out = sp.generate(args.prompt, cfg, chat=args.chat)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "tau": out.tau,
@@ -102,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from speculor.server import serve
 
     serve(load_pair_from_args(args), host=args.host, port=args.port, strategy=args.strategy,
-          queue_size=args.queue_size)
+          queue_size=args.queue_size, **_strategy_options(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -111,7 +148,57 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run(args, load_pair_from_args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "fetch-models": cmd_fetch_models, "serve": cmd_serve}
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from speculor import prompts, sequoia
+    from speculor.api import Speculor
+    from speculor.config import SamplingConfig
+
+    temps = [float(t) for t in args.temperatures.split(",")]
+    if args.width < 1 or args.prompts < 1 or args.steps < 1:
+        raise SpeculorError("--width, --prompts and --steps must be >= 1")
+    if args.out and len(temps) > 1:
+        raise SpeculorError("--out takes one temperature")
+    sp = Speculor(load_pair_from_args(args), strategy="plain")
+    chosen = prompts.load(args.sets.split(","), args.prompts)
+    ids = [sp.encode(p.text, chat=p.chat) for p in chosen]
+    for temp in temps:
+        cfg = SamplingConfig(temperature=temp, top_p=args.top_p if temp > 0 else 1.0, seed=args.seed)
+        cal = sequoia.calibrate(sp.pair, ids, cfg, width=args.width, steps=args.steps, eos_ids=sp.eos_ids,
+                                sets=args.sets)
+        path = Path(args.out) if args.out else sequoia.calibration_path(cal.target, cal.draft, temp, cfg.top_p)
+        cal.save(path)
+        acc = ", ".join(f"{a:.3f}" for a in cal.acc)
+        print(f"T={temp:g} top_p={cfg.top_p:g}: {cal.steps} steps, sum = {sum(cal.acc):.3f}, acc = [{acc}]")
+        print(f"saved {path}")
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    from speculor import sequoia
+    from speculor.config import SamplingConfig
+
+    pair = load_pair_from_args(args)
+    path = sequoia.cost_path(pair)
+    if args.force or not path.exists():
+        sequoia.profile_cost(pair, repeats=args.repeats).save(path)
+    cost = sequoia.CostModel.load(path)
+    print(f"cost model: {path}")
+    print("  n   target_s  t(n)/t(1)  draft_s  d(n)/d(1)")
+    for n, t, d in zip(cost.target_n, cost.target_s, cost.draft_s, strict=False):
+        print(f"{n:4d}  {t:8.3f}  {t / cost.target_s[0]:8.2f}  {d:8.3f}  {d / cost.draft_s[0]:8.2f}")
+    opts = sequoia.SequoiaOptions("auto", args.depth, args.width)
+    for temp in (float(t) for t in args.temperatures.split(",")):
+        acc, source = sequoia.resolve_acc(None, pair.target_name, pair.draft_name, SamplingConfig(temperature=temp))
+        c = sequoia.plan_tree(acc, opts, cost)[2]
+        print(f"T={temp:g} (acc: {source}): n = {c.n} nodes with the root, {c.d} levels, widths "
+              f"{sequoia.level_widths(c.shape)}, F = {c.expected_tokens:.2f} tokens/step, {c.step_s:.3f} s/step, "
+              f"{c.tokens_per_s:.2f} tokens/s predicted (plain {1 / cost.t_target(1):.2f})")
+        print(f"  shape = {list(c.shape)}")
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate, "profile": cmd_profile,
+            "fetch-models": cmd_fetch_models, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

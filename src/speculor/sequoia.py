@@ -18,14 +18,33 @@ depth width), `calibrate` (measure acc through the engine), and `SequoiaDrafter`
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import platform
+import re
+import statistics
+import sys
+import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
+from speculor import engine
+from speculor.assets import cache_dir
+from speculor.config import SamplingConfig
+from speculor.errors import SpeculorError
+from speculor.models import LM, Pair
+from speculor.verify import Verdict
+
+logger = logging.getLogger("speculor")
 NEG = -math.inf
 
 
@@ -246,3 +265,345 @@ def choose_tree(acc: Sequence[float], cost: CostModel, n_max: int, d_max: int, n
     if best is None:
         raise ValueError(f"no tree with {n_min}..{n_max} nodes within {d_max} levels")
     return best
+
+
+# ---------------------------------------------------------------- profiling the machine
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # block sizes timed; others are interpolated
+
+
+def _sync(lm: LM) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+
+
+def time_forwards(lm: LM, sizes: Sequence[int], *, prefix: int = 200, repeats: int = 3,
+                  bar: tqdm | None = None) -> list[float]:
+    """Median seconds of one `lm.forward` over a block of n tokens after `prefix` committed tokens, per n.
+
+    Uses its own cache on the same weights (`LM(lm.model)`), so a generation running with `lm` is untouched.
+    """
+    probe = LM(lm.model, vocab_size=lm.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, min(lm.vocab_size, 1000), (prefix + max(sizes),), generator=g)
+    probe.forward(tokens[:prefix])
+    probe.commit(list(range(prefix)))
+    probe.forward(tokens[prefix:prefix + 2])  # warm-up
+    medians = []
+    for n in sizes:
+        times = []
+        for _ in range(repeats):
+            _sync(probe)
+            t0 = time.perf_counter()
+            probe.forward(tokens[prefix:prefix + n])
+            _sync(probe)
+            times.append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update()
+        medians.append(statistics.median(times))
+    return medians
+
+
+def machine_key(pair: Pair) -> dict[str, str]:
+    """What a cost model depends on: the machine, its CPU or GPU, torch's threads, device, dtype and the pair."""
+    lm = pair.target
+    if lm.device.type == "cuda":
+        chip = torch.cuda.get_device_name(lm.device)
+    else:
+        chip = _cpu_model()
+    return {"node": platform.node(), "chip": chip, "threads": str(torch.get_num_threads()),
+            "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
+            "target": pair.target_name, "draft": pair.draft_name}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_cost(pair: Pair, sizes: Sequence[int] = SIZES, *, repeats: int = 3, progress: bool = True) -> CostModel:
+    """Time the target on blocks of n tokens and the draft on blocks of w tokens, after a 200-token prefix."""
+    if pair.draft is None:
+        raise SpeculorError("profiling a tree's cost needs a draft model")
+    with tqdm(total=2 * len(sizes) * repeats, desc="profile target+draft", unit="fwd", disable=not progress) as bar:
+        t = time_forwards(pair.target, sizes, repeats=repeats, bar=bar)
+        d = time_forwards(pair.draft, sizes, repeats=repeats, bar=bar)
+    return CostModel(tuple(sizes), tuple(t), tuple(sizes), tuple(d), tuple(sorted(machine_key(pair).items())))
+
+
+def cost_path(pair: Pair) -> Path:
+    key = machine_key(pair)
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / "sequoia" / f"cost--{_slug(pair.target_name)}--{_slug(pair.draft_name)}--{digest}.json"
+
+
+_COSTS: dict[Path, CostModel] = {}
+
+
+def machine_cost(pair: Pair, *, progress: bool = True) -> CostModel:
+    """The cached cost model of this machine and pair; profiles once (a minute or two) if there is none."""
+    path = cost_path(pair)
+    if path not in _COSTS:
+        if path.exists():
+            _COSTS[path] = CostModel.load(path)
+        else:
+            print(f"speculor: profiling forward times on this machine for --budget auto (once; cached in {path})",
+                  file=sys.stderr)
+            cost = profile_cost(pair, progress=progress)
+            cost.save(path)
+            _COSTS[path] = cost
+    return _COSTS[path]
+
+
+def _slug(name: str) -> str:
+    """A file-name-safe label for a model spec (a folder or file path keeps its last part and a hash)."""
+    if not name:
+        return "unnamed"
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name)[:60]
+    if "/" in name or "\\" in name:
+        label += "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return label
+
+
+# ---------------------------------------------------------------- the acceptance vector (§4.1)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """counts[k - 1] = calibration steps whose accepted draft token was the k-th child of the root, out of `steps`;
+    acc[k] = counts[k - 1] / steps. At temperature 0, "accepted" means the k-th ranked (top-k) child matched."""
+
+    target: str
+    draft: str
+    temperature: float
+    top_p: float
+    counts: tuple[int, ...]
+    steps: int
+    prompts: int = 0
+    sets: str = ""
+
+    @property
+    def acc(self) -> list[float]:
+        return [c / max(self.steps, 1) for c in self.counts]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "counts": list(self.counts), "acc": self.acc}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Calibration:
+        fields = ("target", "draft", "temperature", "top_p", "steps", "prompts", "sets")
+        return Calibration(**{k: d[k] for k in fields if k in d}, counts=tuple(int(c) for c in d["counts"]))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+
+def calibration_path(target: str, draft: str, temperature: float, top_p: float) -> Path:
+    name = f"acc--{_slug(target)}--{_slug(draft)}--T{temperature:g}--p{top_p:g}.json"
+    return cache_dir() / "sequoia" / name
+
+
+class AcceptanceRecorder:
+    """A drafter wrapper that counts, per step, which child of the root was accepted (node i = rank i + 1)."""
+
+    def __init__(self, inner: Any, width: int) -> None:
+        self.inner, self.counts, self.steps = inner, [0] * width, 0
+
+    @property
+    def forwards(self) -> int:
+        return self.inner.forwards
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None):
+        return self.inner.propose(seq, cfg, generator)
+
+    def observe(self, n_committed: int, verdict: Verdict) -> None:
+        self.steps += 1
+        if verdict.path:
+            self.counts[verdict.path[0]] += 1
+        self.inner.observe(n_committed, verdict)
+
+
+def calibrate(pair: Pair, prompts: Sequence[list[int]], cfg: SamplingConfig, *, width: int = 16, steps: int = 16,
+              eos_ids: frozenset[int] = frozenset(), progress: bool = True, sets: str = "") -> Calibration:
+    """Measure the acceptance vector of §4.1 for pair at cfg's temperature and top-p.
+
+    Per step the engine drafts a depth-1 tree of `width` children drawn without replacement from q (the
+    top-`width` tokens at temperature 0), verifies it (SWOR rule, or greedy matching at temperature 0) and
+    commits the verdict, so contexts are those of real generation; `steps` steps per prompt (fewer if the
+    prompt's generation ends). counts[k - 1] = steps where the k-th child was accepted.
+    """
+    from speculor.drafters import TreeDrafter
+
+    if pair.draft is None:
+        raise SpeculorError("calibration needs a draft model")
+    recorder = AcceptanceRecorder(TreeDrafter(pair.draft, [-1] * width, draw="swor"), width)
+    with tqdm(total=len(prompts) * steps, desc=f"calibrate T={cfg.temperature:g}", unit="step",
+              disable=not progress) as bar:
+        for i, ids in enumerate(prompts):
+            run = replace(cfg, max_new_tokens=2 * steps, seed=None if cfg.seed is None else cfg.seed + i)
+            start, done = recorder.steps, 0
+            for _ in engine.stream(pair.target, recorder, ids, run, eos_ids):
+                bar.update(recorder.steps - start - done)
+                done = recorder.steps - start
+                if done >= steps:
+                    break
+            bar.update(steps - done)  # a generation that ended early counts as done
+    return Calibration(pair.target_name, pair.draft_name, cfg.temperature, cfg.top_p, tuple(recorder.counts),
+                       recorder.steps, len(prompts), sets)
+
+
+def builtin_calibrations() -> list[Calibration]:
+    """Acceptance vectors measured on the embedded pair (package data `data/sequoia_acc.json`)."""
+    text = resources.files("speculor").joinpath("data/sequoia_acc.json").read_text()
+    return [Calibration.from_dict(d) for d in json.loads(text)["calibrations"]]
+
+
+def _nearest(cals: list[Calibration], cfg: SamplingConfig) -> Calibration:
+    """The built-in calibration closest to cfg: temperature 0 for greedy, else the nearest temperature > 0."""
+    pool = [c for c in cals if (c.temperature == 0) == cfg.greedy] or cals
+    return min(pool, key=lambda c: (abs(c.temperature - cfg.temperature), abs(c.top_p - cfg.top_p)))
+
+
+def resolve_acc(spec: str | Sequence[float] | None, target: str, draft: str,
+                cfg: SamplingConfig) -> tuple[list[float], str]:
+    """(acc, where it came from): a given vector; a calibration JSON file; else the cached calibration of this
+    pair at cfg's temperature and top-p (`speculor calibrate`); else the built-in vector of the embedded pair
+    at the nearest temperature (documented fallback: the tree is then tuned for that pair, still lossless)."""
+    if spec is not None and not isinstance(spec, str):
+        return [float(a) for a in spec], "given"
+    if spec is not None:
+        return _load_acc(Path(spec).expanduser()), spec
+    path = calibration_path(target, draft, cfg.temperature, cfg.top_p)
+    if path.exists():
+        return _load_acc(path), str(path)
+    cal = _nearest(builtin_calibrations(), cfg)
+    source = f"built-in ({cal.target} / {cal.draft}, T={cal.temperature:g}, top_p={cal.top_p:g})"
+    logger.info("sequoia: no calibration at %s; using the %s acceptance vector", path, source)
+    return cal.acc, source
+
+
+def _load_acc(path: Path) -> list[float]:
+    try:
+        d = json.loads(path.read_text())
+        acc = d["acc"] if "acc" in d else Calibration.from_dict(d).acc
+        return [float(a) for a in acc]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SpeculorError(f"cannot read an acceptance vector from {path}: {exc}; run `speculor calibrate`") from exc
+
+
+# ---------------------------------------------------------------- the `sequoia` strategy
+
+AUTO_NODES = 128  # --budget auto searches trees of up to this many verified tokens (root included)
+
+
+@dataclass(frozen=True)
+class SequoiaOptions:
+    """budget: draft tokens per step (root excluded), or "auto" (the best tokens/s on this machine, §4.2);
+    depth: most draft tokens on a path (D = depth + 1 levels); width: most children per node (B);
+    acc: an acceptance vector, or the path of a calibration JSON (default: see `resolve_acc`)."""
+
+    budget: int | str = 16
+    depth: int = 8
+    width: int = 8
+    acc: str | tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget != "auto" and (not _is_int(self.budget) or not 1 <= self.budget <= 1024):
+            raise SpeculorError(f"budget must be an integer in [1, 1024] or 'auto', got {self.budget!r}")
+        if not _is_int(self.depth) or not 1 <= self.depth <= 64:
+            raise SpeculorError(f"depth must be an integer in [1, 64], got {self.depth!r}")
+        if not _is_int(self.width) or not 1 <= self.width <= 64:
+            raise SpeculorError(f"width must be an integer in [1, 64], got {self.width!r}")
+        if isinstance(self.acc, str) and not Path(self.acc).expanduser().is_file():
+            raise SpeculorError(f"no calibration file at {self.acc!r}; run `speculor calibrate`")
+        if self.acc is not None and not isinstance(self.acc, str):
+            object.__setattr__(self, "acc", tuple(float(a) for a in self.acc))
+            if not self.acc or min(self.acc) < 0 or sum(self.acc) > 1 + 1e-6:
+                raise SpeculorError(f"acc must be non-negative with a sum <= 1, got {self.acc!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The static tree used at one (temperature, top-p): its shape, F(T) and where acc came from."""
+
+    shape: tuple[int, ...]
+    expected_tokens: float
+    acc_source: str
+    choice: Choice | None = None  # set with budget="auto"
+
+
+def plan_tree(acc: Sequence[float], opts: SequoiaOptions, cost: CostModel | None) -> tuple[tuple[int, ...], float,
+                                                                                           Choice | None]:
+    """The DP tree for a fixed budget (the largest feasible n <= budget + 1), or the tokens/s-optimal one."""
+    acc = list(acc)[: opts.width]
+    if opts.budget == "auto":
+        assert cost is not None, "budget='auto' needs a cost model"
+        choice = choose_tree(acc, cost, AUTO_NODES, opts.depth + 1)
+        return choice.shape, choice.expected_tokens, choice
+    table = optimal_trees(acc, opts.budget + 1, opts.depth + 1)
+    n = table.largest_feasible(opts.budget + 1, opts.depth + 1)
+    return tuple(table.shape(n, opts.depth + 1)), float(table.best[n, opts.depth + 1]), None
+
+
+class SequoiaDrafter:
+    """Sequoia's static tree drafted from a draft model: children drawn without replacement (exponential keys)
+    and verified with the SWOR rule; deterministic top-k children and greedy matching at temperature 0.
+
+    The tree depends on the acceptance vector, which depends on the sampling settings known only at
+    `propose`, so a plan is made per (temperature, top-p) and kept.
+    """
+
+    def __init__(self, lm: LM, target_name: str, draft_name: str, opts: SequoiaOptions,
+                 cost: CostModel | None = None) -> None:
+        self.lm, self.names, self.opts, self.cost = lm, (target_name, draft_name), opts, cost
+        self.plans: dict[tuple[float, float], Plan] = {}
+        self.inner: Any = None  # the TreeDrafter of the current shape
+        self.inner_shape: list[int] | None = None
+        self.forwards = 0
+
+    def plan(self, cfg: SamplingConfig) -> Plan:
+        key = (cfg.temperature, cfg.top_p)
+        if key not in self.plans:
+            acc, source = resolve_acc(self.opts.acc, *self.names, cfg)
+            shape, expected, choice = plan_tree(acc, self.opts, self.cost)
+            self.plans[key] = Plan(shape, expected, source, choice)
+        return self.plans[key]
+
+    def reset(self) -> None:
+        self.lm.reset()
+
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None):
+        from speculor.drafters import TreeDrafter
+
+        shape = list(self.plan(cfg).shape)
+        if shape != self.inner_shape:
+            self.inner, self.inner_shape = TreeDrafter(self.lm, shape, draw="swor"), shape
+        tree = self.inner.propose(seq, cfg, generator)
+        self.forwards = self.inner.forwards
+        return tree
+
+    def observe(self, n_committed: int, verdict: Verdict) -> None:
+        self.inner.observe(n_committed, verdict)
+
+
+def make_sequoia(pair: Pair, budget: int | str = 16, depth: int = 8, width: int = 8,
+                 acc: str | Sequence[float] | None = None) -> SequoiaDrafter:
+    """Builder of the `sequoia` strategy (see `SequoiaOptions`); budget='auto' profiles the machine once."""
+    if pair.draft is None:
+        raise SpeculorError("strategy 'sequoia' needs a draft model")
+    opts = SequoiaOptions(budget, depth, width, acc)  # type: ignore[arg-type]
+    cost = machine_cost(pair) if budget == "auto" else None
+    return SequoiaDrafter(pair.draft, pair.target_name, pair.draft_name, opts, cost)

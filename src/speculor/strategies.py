@@ -8,6 +8,7 @@ from typing import Any
 from speculor.drafters import ChainDrafter, Drafter
 from speculor.errors import SpeculorError
 from speculor.models import Pair
+from speculor.sequoia import make_sequoia
 
 
 def _need_draft(pair: Pair, name: str):
@@ -25,6 +26,7 @@ def _chain(pair: Pair, k: int = 4) -> Drafter:
 BUILDERS: dict[str, Callable[..., Drafter | None]] = {
     "plain": lambda pair: None,
     "chain": _chain,
+    "sequoia": make_sequoia,  # options: budget (int or "auto"), depth, width, acc (see sequoia.SequoiaOptions)
 }
 
 
