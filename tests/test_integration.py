@@ -2,14 +2,14 @@
 
 import pytest
 
-from speculor import SamplingConfig, Speculor, load_pair, prompts
+from speculor import SamplingConfig, Speculor, prompts
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def sp() -> Speculor:
-    return Speculor(load_pair(), strategy="plain")
+def sp(real_pair) -> Speculor:
+    return Speculor(real_pair, strategy="plain")
 
 
 @pytest.fixture(scope="module")
