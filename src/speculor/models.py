@@ -3,6 +3,9 @@
 A *block* is a list of new tokens with parents inside the block (-1 = attends only to the cache): a
 chain for a prompt, [root] + nodes for a draft tree. `LM.forward` runs one block with the tree mask and
 depth-based positions; `LM.commit` keeps the cache entries of the chosen block rows and drops the rest.
+The uncommitted entries after the committed ones form the *pending region*; `forward(..., append=True)`
+extends it instead of replacing it, so a draft tree can be grown one depth per forward, each new row
+attending to its ancestors among the earlier pending entries.
 Masks and positions are arguments of the forward call; no modeling file is patched.
 """
 
@@ -35,32 +38,40 @@ class LM:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.length = 0  # committed entries in the cache; a forward appends uncommitted ones after them
+        self.pending = torch.zeros(0, dtype=torch.long)  # parents of the pending entries (region indices)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor | list[int], parents: torch.Tensor | None = None,
-                hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, V] (fp32) for a block of n tokens after the committed cache; parents=None: a chain.
+                hidden: bool = False, *, append: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, V] (fp32) for a block of n tokens after the committed cache.
 
-        With hidden=True also returns the last hidden states [n, H].
+        The block's rows become pending entries b..b+n-1 of the pending region, where b = 0 (the region is
+        emptied first) unless append=True (b = entries already pending). parents[i] is the region index of
+        row i's parent (< b + i), -1 = none: a row attends to the committed cache, its ancestors and itself,
+        at position length + depth. append=False with parents=None is a chain; with append=True parents=None
+        continues the last pending entry. With hidden=True also returns the last hidden states [n, H].
         """
-        self.truncate(self.length)
+        if not append:
+            self.truncate(self.length)
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        n = len(tokens)
+        b, n = len(self.pending), len(tokens)
         if parents is None:
-            parents = torch.arange(-1, n - 1)
+            parents = torch.arange(b - 1, b + n - 1)
+        region = torch.cat([self.pending, torch.as_tensor(parents, dtype=torch.long)])
         out = self.model(
             input_ids=tokens[None].to(self.device),
-            position_ids=position_ids(parents, self.length).to(self.device),
-            attention_mask=attention_mask(parents, self.length, self.dtype).to(self.device),
+            position_ids=position_ids(region, self.length)[:, b:].to(self.device),
+            attention_mask=attention_mask(region, self.length, self.dtype)[:, :, b:].to(self.device),
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
         )
+        self.pending = region
         logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
         return (logits, out.hidden_states[-1][0]) if hidden else logits
 
     def commit(self, rows: list[int]) -> None:
-        """Keep the cache entries of block rows `rows` (ascending) after the committed ones; drop the rest."""
+        """Keep the pending entries `rows` (region indices, ascending) after the committed ones; drop the rest."""
         if rows != list(range(len(rows))):
             keep = torch.cat([torch.arange(self.length), self.length + torch.tensor(rows, dtype=torch.long)])
             keep = keep.to(self.device)
@@ -71,8 +82,9 @@ class LM:
         self.truncate(self.length)
 
     def truncate(self, length: int) -> None:
-        """Drop every cache entry from index `length` on (uncommitted block entries included)."""
+        """Drop every cache entry from index `length` on (pending entries included)."""
         self.length = min(self.length, length)
+        self.pending = self.pending[: max(length - self.length, 0)]
         if self.cache.get_seq_length() > length:
             for layer in self.cache.layers:
                 layer.keys = layer.keys[..., :length, :]
