@@ -24,7 +24,7 @@ from scipy.stats import chisquare
 import speculor.verify as verify
 from speculor.config import SamplingConfig
 from speculor.sampling import warp
-from speculor.tree import DraftTree
+from speculor.tree import DraftTree, merge, path_to
 from speculor.verify import Verdict, accept_at_node, verify_greedy, verify_sampled
 
 F64 = torch.float64
@@ -391,10 +391,10 @@ def biased_law(kind: str, p: torch.Tensor, q: torch.Tensor, k: int, real: bool) 
     else:  # "topk_ratio_test": deterministic children verified with the ratio test against q
         draws, verify_as = [(top_k(q, k), 1.0)], "iid"
     for xs, w in draws:
-        if real:
+        ds = swor_laws(q, xs) if verify_as == "swor" else [q] * len(xs)
+        if real and not (verify_as == "swor" and len(set(xs)) < len(xs)):
             out += w * first_token(real_law(node_tree(xs, q, verify_as), node_p(p, len(xs))), len(p))
-        else:
-            ds = swor_laws(q, xs) if verify_as == "swor" else [q] * len(xs)
+        else:  # a repeated token labelled SWOR is refused by the verifier (test_mislabelled_draws_are_refused)
             out += w * mirror_node(p, xs, ds)
     return out
 
@@ -411,6 +411,17 @@ def test_wrong_pairings_are_detected(kind, v):
         assert l1(mirror, real) < EXACT  # the real verifier, mislabelled, does exactly what the wrong rule says
         worst = max(worst, tv(real, p))
     assert worst > 0.01
+
+
+def test_mislabelled_draws_are_refused():
+    """A child with no mass under its declared draw law (a repeat labelled SWOR, a q = 0 token labelled i.i.d.)
+    would be accepted for free; the verifier raises instead of running the biased rule."""
+    p = torch.tensor([0.5, 0.0, 0.5])  # p(1) = 0: the first child is surely rejected
+    q = torch.tensor([0.5, 0.5, 0.0])
+    with pytest.raises(ValueError, match="mislabelled"):
+        accept_at_node(p, [0, 1], node_tree([1, 1], q, "swor"), None)
+    with pytest.raises(ValueError, match="mislabelled"):
+        accept_at_node(p, [0], node_tree([2], q, "iid"), None)
 
 
 # ---------------------------------------------------------------- the residual after a rejection
@@ -513,3 +524,97 @@ def test_sampled_point_mass_p_matches_greedy():
     p = torch.nn.functional.one_hot(torch.tensor([2, 4, 0, 3]), 5).float()
     for _ in range(20):
         assert verify_sampled(tree, p, g) == Verdict([0, 1], 0)
+
+
+# ---------------------------------------------------------------- merged trees: several drafters, mixed kinds (§2, §3)
+
+
+def source_outcomes(qt: dict, ks: tuple[int, ...], kind: str):
+    """Every draft tree of expansion config ks drawn by `kind` ("iid", "swor", or "point" = top-k) from the context
+    tables qt, with its probability."""
+    def draws(ctx: tuple[int, ...], k: int):
+        q = qt[ctx]
+        return [(top_k(q, k), 1.0)] if kind == "point" else list(iid_draws(q, k) if kind == "iid" else swor_draws(q, k))
+
+    def rec(level, depth, tokens, parents, rows, weight):
+        if depth == len(ks) or not level:
+            q = None if kind == "point" else torch.stack(rows) if rows else torch.zeros(0, len(qt[()]), dtype=F64)
+            yield DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), q,
+                            kind), weight
+            return
+        for combo in itertools.product(*(draws(ctx, ks[depth]) for _, ctx in level)):
+            toks, pars, qs, nxt, w = list(tokens), list(parents), list(rows), [], weight
+            for (node, ctx), (xs, wx) in zip(level, combo, strict=True):
+                w *= wx
+                for x in xs:
+                    nxt.append((len(toks), ctx + (x,)))
+                    toks.append(x)
+                    pars.append(node)
+                    qs.append(qt[ctx])
+            yield from rec(nxt, depth + 1, toks, pars, qs, w)
+
+    yield from rec([(-1, ())], 0, [], [], [], 1.0)
+
+
+def tree_p(t: Tables, tree: DraftTree) -> torch.Tensor:
+    """Block rows of p for a tree: p(.|ctx(root)) then p(.|ctx(node i))."""
+    ctxs = [tuple(int(tree.tokens[j]) for j in path_to(tree.parents, i)) for i in range(len(tree))]
+    return torch.stack([t.p[()]] + [t.p[c] for c in ctxs])
+
+
+def drop_ghosts(tree: DraftTree) -> DraftTree:
+    """A biased 'merge': sampled repeats of a sibling (the ghost leaves) deleted instead of verified."""
+    keep, seen = [], set()
+    for i in range(len(tree)):
+        key = (int(tree.parents[i]), int(tree.tokens[i]))
+        if key not in seen:
+            keep.append(i)
+            seen.add(key)
+    index = {old: new for new, old in enumerate(keep)}
+    parents = [index[int(tree.parents[i])] if tree.parents[i] >= 0 else -1 for i in keep]
+    return DraftTree(tree.tokens[keep], torch.tensor(parents), tree.q[keep], tree.draw,
+                     None if tree.kinds is None else tuple(tree.kinds[i] for i in keep), tree.groups[keep])
+
+
+def merged_law(t: Tables, sources: list[tuple[dict, tuple[int, ...], str]], n: int, biased: bool = False):
+    """Law of the first n tokens of one step verifying merge(sources' trees), every draft outcome enumerated."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    for combo in itertools.product(*(list(source_outcomes(*s)) for s in sources)):
+        weight = math.prod(w for _, w in combo)
+        merged = merge([tr for tr, _ in combo]).tree
+        if biased:
+            merged = drop_ghosts(merged)
+        for out, prob in real_law(merged, tree_p(t, merged)).items():
+            law[out] += weight * prob
+    return as_tensor(law, t, n)
+
+
+@pytest.mark.parametrize(("case", "v"), [("random", 4), ("random", 5), ("q_zeros", 5), ("top_p", 5)])
+def test_merged_node_with_mixed_kinds_is_exact(case, v):
+    """One node whose children were drawn i.i.d. by drafter A, without replacement by drafter B and
+    deterministically by C (several sampled repeats become ghosts): the output law is p."""
+    a, b, c = Tables(case, v, seed=200), Tables(case, v, seed=201), Tables(case, v, seed=202)
+    for sources in ([(a.q, (2,), "iid"), (b.q, (2,), "swor"), (c.q, (1,), "point")],
+                    [(c.q, (2,), "point"), (a.q, (2,), "iid"), (a.q, (1,), "iid")]):
+        assert l1(merged_law(a, sources, 2), target_law(a, 2)) < EXACT
+
+
+@pytest.mark.parametrize("seed", [210, 213])
+def test_merged_trees_are_exact(seed):
+    """Depth-2 trees of several drafters merged by prefix (subtrees joined under shared prefixes, repeats kept
+    as ghosts): the law of the first three tokens is p's."""
+    a, b, c = (Tables("random", 3, seed=seed + i) for i in range(3))
+    want = target_law(a, 3)
+    assert l1(merged_law(a, [(a.q, (2, 1), "iid"), (b.q, (1, 1), "iid"), (c.q, (1, 1), "point")], 3), want) < EXACT
+    assert l1(merged_law(a, [(c.q, (1, 1), "point"), (a.q, (2, 1), "swor")], 3), want) < EXACT
+
+
+def test_merge_without_ghosts_is_detected():
+    """Negative control: deleting sampled repeats (one residual update per unique token) is biased (§2 table)."""
+    worst = 0.0
+    for seed in range(220, 226):
+        a = Tables("random", 3, seed=seed)
+        sources = [(a.q, (3,), "iid")]
+        assert l1(merged_law(a, sources, 2), target_law(a, 2)) < EXACT
+        worst = max(worst, tv(merged_law(a, sources, 2, biased=True), target_law(a, 2)))
+    assert worst > 1e-3  # exact would be < 1e-12; the bias depends on (p, q) and is 0.012 at its largest here

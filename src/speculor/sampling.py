@@ -49,3 +49,27 @@ def residual(r: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
     res = torch.clamp(r - d, min=0)
     mass = res.sum()
     return None if mass <= 1e-12 else res / mass
+
+
+def draw_iid(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """k independent draws from q [V], in draw order; repeats are kept (MSS verifies each draw, §2)."""
+    return torch.multinomial(q, k, replacement=True, generator=generator).tolist()
+
+
+def draw_swor(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """min(k, |supp q|) draws without replacement from q [V], in draw order (exponential keys, §4.3).
+
+    κ_x = log(u_x) / q(x) with u_x ~ U(0, 1) in fp64 (kept > 0), top-k by κ: descending κ is the draw order.
+    Tokens with q = 0 have κ = -inf and are never drawn, so k is capped at the support size.
+    """
+    k = min(k, int((q > 0).sum()))
+    u = torch.rand(q.shape, dtype=torch.float64, generator=generator).clamp_min_(torch.finfo(torch.float64).tiny)
+    keys = u.log_() / q.double()  # log u < 0: q = 0 gives -inf
+    return torch.topk(keys, k).indices.tolist()
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> list[int]:
+    """The k (at most: only finite logits count) distinct most likely tokens, best first (ties in any order:
+    these are drafts for greedy verification, where any draft is lossless)."""
+    k = min(k, int(torch.isfinite(logits).sum()))
+    return torch.topk(logits, k).indices.tolist()

@@ -12,9 +12,13 @@ Rules, by how the tree's siblings were drawn (§2, the recursive rejection loop 
           d_j = q_j:                       accept x_j if u·d_j(x_j) < r(x_j), else r ← resid(r, d_j)
     swor  (Sequoia / DySpec)  d_j = q with earlier siblings zeroed, renormalised; same test and update
     point (deterministic top-k)  d_j = δ_{x_j}: accept with prob. r(x_j), else r(x_j) ← 0, renormalise
-After the siblings of the current node are exhausted the recovered token is drawn from r; at an
-accepted leaf the bonus token is drawn from p. At temperature 0 `verify_greedy` follows the child equal
-to argmax p, which every rule reduces to when p is a point mass.
+In a merged tree (`tree.kinds`) each child uses the rule of its own kind, and SWOR removes only the
+earlier siblings of its own group (draw sequence), so point-mass, i.i.d. and SWOR children of several
+drafters mix at one node exactly (d_j is always the law child j was drawn from). A child whose token has
+zero mass under its d_j could not have been drawn that way: the tree is mislabelled, and verification
+refuses it rather than accept it for free. After the siblings of the current node are exhausted the
+recovered token is drawn from r; at an accepted leaf the bonus token is drawn from p. At temperature 0
+`verify_greedy` follows the child equal to argmax p, which every rule reduces to when p is a point mass.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from speculor.sampling import greedy, residual, sample
-from speculor.tree import DraftTree
+from speculor.tree import DraftTree, children_lists
 
 
 @dataclass(frozen=True)
@@ -62,27 +66,31 @@ def accept_at_node(
     r: torch.Tensor, children: list[int], tree: DraftTree, generator: torch.Generator | None
 ) -> tuple[int | None, torch.Tensor]:
     """One node of §2: try the children in draw order; return (accepted child or None, final residual r)."""
-    drawn: list[int] = []
+    drawn: dict[int, list[int]] = {}  # group -> tokens of its siblings tried so far
     for c in children:
         x = int(tree.tokens[c])
-        d = _draw_distribution(tree, c, drawn, r)
-        if d is None:  # SWOR draft exhausted: no further draw could have been made
-            break
+        d = _draw_distribution(tree, c, drawn.setdefault(tree.group(c), []), r)
+        if d is None:  # this SWOR sequence was exhausted: the child could not have been drawn
+            continue
+        if not float(d[x]) > 0:
+            raise ValueError(f"node {c} (token {x}) has no mass under the law it is labelled as drawn from "
+                             f"('{tree.kind(c)}'): a mislabelled draft would be verified with a biased rule")
         u = float(torch.rand((), generator=generator))
         if u * float(d[x]) < float(r[x]):
             return c, r
         r = _update(r, d)
-        drawn.append(x)
+        drawn[tree.group(c)].append(x)
     return None, r
 
 
 def _draw_distribution(tree: DraftTree, c: int, drawn: list[int], r: torch.Tensor) -> torch.Tensor | None:
-    """d_j: the distribution child c was drawn from, given the tokens of its earlier siblings."""
-    if tree.draw == "point":
+    """d_j: the distribution child c was drawn from, given the tokens of its earlier siblings of its group."""
+    kind = tree.kind(c)
+    if kind == "point":
         return torch.nn.functional.one_hot(tree.tokens[c], r.shape[-1]).to(r.dtype)
-    assert tree.q is not None, f"a '{tree.draw}' tree needs the draft distributions"
+    assert tree.q is not None, f"a '{kind}' node needs its draft distribution"
     d = tree.q[c]
-    if tree.draw == "swor" and drawn:
+    if kind == "swor" and drawn:
         d = d.clone()
         d[drawn] = 0
         mass = d.sum()
@@ -98,7 +106,4 @@ def _update(r: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def _children_by_parent(tree: DraftTree) -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for i, par in enumerate(tree.parents.tolist()):
-        kids.setdefault(par, []).append(i)
-    return kids
+    return children_lists(tree.parents)
