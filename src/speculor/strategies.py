@@ -9,6 +9,7 @@ from speculor.drafters import ChainDrafter, Drafter
 from speculor.errors import SpeculorError
 from speculor.models import Pair
 from speculor.sequoia import make_sequoia
+from speculor.specinfer import make_ngram, make_specinfer
 
 
 def _need_draft(pair: Pair, name: str):
@@ -27,6 +28,8 @@ BUILDERS: dict[str, Callable[..., Drafter | None]] = {
     "plain": lambda pair: None,
     "chain": _chain,
     "sequoia": make_sequoia,  # options: budget (int or "auto"), depth, width, acc (see sequoia.SequoiaOptions)
+    "specinfer": make_specinfer,  # options: expansion ("1-1-3-1-1-1-1-1"), drafters ("draft+draft@1.5+ngram")
+    "ngram": make_ngram,  # options: k (tokens per continuation), n (longest n-gram), branches
 }
 
 

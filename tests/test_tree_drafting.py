@@ -1,0 +1,269 @@
+"""Tree drafting on tiny random transformers Qwen2 models (fp32, CPU, no download): the pending-region forward of
+`LM`, `TreeDrafter`'s per-depth logits against plain forwards over each node's root path (also after commits),
+greedy output of `specinfer` / merged / `ngram` equal to plain greedy, and bad options."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from speculor import LM, Pair, SamplingConfig, Speculor, SpeculorError, engine
+from speculor.drafters import MergedDrafter, NgramDrafter, TreeDrafter
+from speculor.specinfer import make_specinfer
+from speculor.tree import expansion_shape, path_to
+
+VOCAB = 64
+PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 8, 7, 8, 7, 8, 7], [9, 0, 13, 56, 21, 8, 3, 13, 56]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add overhead on a shared machine
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_qwen2(seed: int, hidden: int = 32, layers: int = 2) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=128)
+    return Qwen2ForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen2ForCausalLM:
+    return tiny_qwen2(0)
+
+
+@pytest.fixture(scope="module")
+def draft(target) -> Qwen2ForCausalLM:
+    """A copy of the target with every weight matrix moved by 0.15 of its spread: often right, not always."""
+    near = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in near.parameters():
+            if p.numel() > 1:
+                p.add_(0.15 * p.std() * torch.randn(p.shape, generator=g))
+    return near
+
+
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of the last position from a plain full forward (no cache, no mask, no speculor)."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(torch.argmax(reference_logits(model, seq))))
+    return seq[len(prompt):]
+
+
+# ---------------------------------------------------------------- LM: a tree grown one depth per forward
+
+
+def test_appended_depths_equal_path_forwards(target):
+    """Depth by depth into the pending region; every row equals a plain forward over its root path, also after a
+    commit of a non-prefix path and a second round on the compacted cache."""
+    lm = LM(target)
+    seq = [5, 7, 9, 11, 13, 2]
+    lm.forward(seq)
+    lm.commit(list(range(len(seq))))
+    for _ in range(2):
+        # depth 1: region rows 0, 1, 2 (two of them the same token); depth 2: rows 3..5; depth 3: row 6
+        blocks = [([20, 21, 20], [-1, -1, -1]), ([30, 31, 32], [0, 0, 2]), ([40], [5])]
+        region_tokens, region_parents = [], []
+        for tokens, parents in blocks:
+            logits = lm.forward(tokens, torch.tensor(parents), append=True)
+            region_tokens += tokens
+            region_parents += parents
+            base = len(region_tokens) - len(tokens)
+            for i in range(len(tokens)):
+                path = [region_tokens[j] for j in path_to(torch.tensor(region_parents), base + i)]
+                diff = (logits[i] - reference_logits(target, seq + path)).abs().max()
+                assert diff < 1e-4, f"row {base + i} (path {path}): max abs diff {diff:.2e}"
+        assert lm.length == len(seq) and len(lm.pending) == 7
+        lm.commit([2, 5, 6])  # keep the path 20 -> 32 -> 40 (rows 2, 5, 6)
+        seq = seq + [20, 32, 40]
+        assert lm.length == len(seq) == lm.cache.get_seq_length() and len(lm.pending) == 0
+    assert (lm.forward([3])[0] - reference_logits(target, seq + [3])).abs().max() < 1e-4
+
+
+def test_plain_forward_drops_the_pending_region(target):
+    lm = LM(target)
+    lm.forward([3, 4, 5])
+    lm.commit([0, 1, 2])
+    lm.forward([6, 7], append=True)
+    lm.forward([8], append=True)  # parents=None with append: continues the last pending entry
+    assert len(lm.pending) == 3 and lm.pending.tolist() == [-1, 0, 1]
+    logits = lm.forward([9])  # append=False: a fresh block after the committed cache
+    assert len(lm.pending) == 1 and (logits[0] - reference_logits(target, [3, 4, 5, 9])).abs().max() < 1e-4
+    lm.truncate(2)
+    assert lm.length == 2 and len(lm.pending) == 0
+
+
+# ---------------------------------------------------------------- TreeDrafter
+
+
+class Checked:
+    """Wraps a TreeDrafter: checks every proposal's q rows against plain forwards of the draft over each parent's
+    root path (T = 1, so log q = log_softmax(logits)) and counts draft forwards."""
+
+    def __init__(self, inner: TreeDrafter, draft) -> None:
+        self.inner, self.draft, self.proposals = inner, draft, 0
+
+    @property
+    def forwards(self) -> int:
+        return self.inner.forwards
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def propose(self, seq, cfg, generator):
+        tree = self.inner.propose(seq, cfg, generator)
+        assert self.inner.forwards == len(self.inner.levels)  # one draft forward per depth
+        for i in range(len(tree)):
+            above = [int(tree.tokens[j]) for j in path_to(tree.parents, int(tree.parents[i]))]
+            want = torch.log_softmax(reference_logits(self.draft, list(seq) + above), -1)
+            diff = (torch.log(tree.q[i]) - want).abs().max()
+            assert diff < 1e-4, f"node {i}: max abs diff of log q {diff:.2e}"
+            assert tree.q[i, tree.tokens[i]] > 0
+        self.proposals += 1
+        return tree
+
+    def observe(self, n_committed, verdict):
+        self.inner.observe(n_committed, verdict)
+
+
+@pytest.mark.parametrize("draw", ["iid", "swor"])
+def test_tree_drafter_logits_equal_path_forwards(target, draft, draw):
+    shape = expansion_shape([2, 2, 1])
+    drafter = Checked(TreeDrafter(LM(draft), shape, draw), draft)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=1)
+    stats = engine.Stats()
+    out = list(engine.stream(LM(target), drafter, PROMPTS[0], cfg, stats=stats))
+    assert len(out) == 24 and drafter.proposals == len(stats.steps) >= 4
+    assert any(s.accepted >= 2 for s in stats.steps)  # commits of accepted paths happened between proposals
+
+
+def test_tree_drafter_siblings(draft):
+    lm = LM(draft)
+    g = torch.Generator().manual_seed(0)
+    greedy = TreeDrafter(lm, [-1, -1, -1, 0, 0]).propose([1, 2, 3], SamplingConfig(), g)
+    top = torch.topk(reference_logits(draft, [1, 2, 3]), 3).indices.tolist()
+    assert greedy.tokens[:3].tolist() == top and greedy.draw == "point" and greedy.q is None
+    assert len(set(greedy.tokens[3:].tolist())) == 2
+    # SWOR: distinct siblings; with top_k = 2 the support has 2 tokens, so the third root child and its
+    # subtree are left out
+    cfg = SamplingConfig(temperature=1.0, top_k=2)
+    swor = TreeDrafter(lm, [-1, -1, -1, 2, 0, 1, 1], "swor").propose([1, 2, 3], cfg, g)
+    assert swor.parents.tolist() == [-1, -1, 0, 1, 1] and swor.draw == "swor"
+    assert len(set(swor.tokens[:2].tolist())) == 2 and set(swor.tokens[:2].tolist()) == set(top[:2])
+    assert swor.tokens[3] != swor.tokens[4]
+
+
+def test_tree_drafter_refuses_bad_arguments(draft):
+    for kwargs in ({"draw": "point"}, {"temperature": 0}, {"temperature": "hot"}):
+        with pytest.raises(SpeculorError):
+            TreeDrafter(LM(draft), [-1, 0], **kwargs)
+    for shape in ([], [0], [-1, 2, 0]):
+        with pytest.raises(SpeculorError):
+            TreeDrafter(LM(draft), shape)
+
+
+# ---------------------------------------------------------------- greedy output equals plain greedy
+
+
+def strategies(draft_lm: LM) -> dict[str, object]:
+    shared = LM(draft_lm.model)
+    return {
+        "paper": TreeDrafter(draft_lm, expansion_shape([1, 1, 3, 1, 1, 1, 1, 1])),
+        "wide": TreeDrafter(draft_lm, expansion_shape([3, 2, 1]), "swor"),
+        "merged": MergedDrafter([TreeDrafter(draft_lm, expansion_shape([2, 1])),
+                                 TreeDrafter(shared, expansion_shape([1, 2]), temperature=1.5), NgramDrafter(3)]),
+        "ngram": NgramDrafter(4, branches=2),
+    }
+
+
+@pytest.mark.parametrize("name", ["paper", "wide", "merged", "ngram"])
+def test_greedy_equals_plain_greedy(target, draft, name):
+    t_lm = LM(target)
+    drafter = strategies(LM(draft))[name]
+    cfg = SamplingConfig(max_new_tokens=20)
+    for prompt in PROMPTS:
+        stats = engine.Stats()
+        spec = [t.id for t in engine.stream(t_lm, drafter, prompt, cfg, stats=stats)]
+        assert spec == reference_greedy(target, prompt, 20), f"prompt {prompt}"
+        assert stats.tau >= 1
+
+
+def test_self_draft_tree_accepts_a_full_path(target):
+    stats = engine.Stats()
+    drafter = TreeDrafter(LM(target), expansion_shape([2, 1, 1]))  # the same weights: every path is greedy
+    out = list(engine.stream(LM(target), drafter, PROMPTS[0], SamplingConfig(max_new_tokens=16), stats=stats))
+    assert [t.id for t in out] == reference_greedy(target, PROMPTS[0], 16)
+    assert [s.accepted for s in stats.steps] == [3] * 4 and [s.draft_forwards for s in stats.steps] == [3] * 4
+
+
+# ---------------------------------------------------------------- strategies and their options
+
+
+@pytest.fixture(scope="module")
+def pair(target, draft) -> Pair:
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")))
+    return Pair(LM(target), LM(draft), tokenizer, "tiny-target", "tiny-draft")
+
+
+@pytest.mark.parametrize("options", [{}, {"expansion": "2-1-1"}, {"expansion": (2, 2)}, {"expansion": 3},
+                                     {"drafters": "draft+draft@1.5+ngram"}, {"drafters": "ngram,draft"},
+                                     {"drafters": ["draft", NgramDrafter(2)], "expansion": "1,2"}])
+def test_specinfer_strategy_greedy(pair, target, options):
+    sp = Speculor(pair, strategy="specinfer", **options)
+    out = sp.generate(PROMPTS[3], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
+    assert out.token_ids == reference_greedy(target, PROMPTS[3], 12)
+
+
+def test_specinfer_builds_what_it_says(pair):
+    paper = make_specinfer(pair)
+    assert isinstance(paper, TreeDrafter) and paper.shape == expansion_shape([1, 1, 3, 1, 1, 1, 1, 1])
+    merged = make_specinfer(pair, expansion="2-1", drafters="draft+draft@0.5+ngram")
+    assert isinstance(merged, MergedDrafter)
+    a, b, c = merged.drafters
+    assert a.lm is pair.draft and b.lm is not pair.draft and b.lm.model is pair.draft.model  # own cache
+    assert (a.temperature, b.temperature) == (None, 0.5) and isinstance(c, NgramDrafter) and c.k == 2
+
+
+def test_ngram_strategy(pair, target):
+    sp = Speculor(pair, strategy="ngram", k=3, n=2, branches=2)
+    stats = engine.Stats()
+    ids = list(sp.tokens(PROMPTS[2], SamplingConfig(max_new_tokens=12, stop_on_eos=False), stats=stats))
+    assert [t.id for t in ids] == reference_greedy(target, PROMPTS[2], 12)
+    assert all(s.draft_forwards == 0 for s in stats.steps) and stats.steps[0].drafted >= 3
+    Speculor(Pair(pair.target, None, pair.tokenizer), strategy="ngram")  # needs no draft model
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("specinfer", {"expansion": "0"}), ("specinfer", {"expansion": "1-a"}), ("specinfer", {"expansion": (1, 0)}),
+    ("specinfer", {"expansion": "8-8-8-8"}), ("specinfer", {"expansion": ""}), ("specinfer", {"expansion": True}),
+    ("specinfer", {"expansion": 2.5}), ("specinfer", {"drafters": "foo"}), ("specinfer", {"drafters": "draft@-1"}),
+    ("specinfer", {"drafters": "ngram@2"}), ("specinfer", {"drafters": []}), ("specinfer", {"drafters": [3]}),
+    ("specinfer", {"depth": 3}), ("ngram", {"k": 0}), ("ngram", {"n": 0}), ("ngram", {"branches": "x"}),
+    ("ngram", {"k": 65}), ("ngram", {"budget": 3}),
+])
+def test_bad_options(pair, name, options):
+    with pytest.raises(SpeculorError):
+        Speculor(pair, strategy=name, **options)
+
+
+def test_specinfer_needs_a_draft_model(pair):
+    no_draft = Pair(pair.target, None, pair.tokenizer)
+    with pytest.raises(SpeculorError, match="needs a draft"):
+        Speculor(no_draft, strategy="specinfer")
+    Speculor(no_draft, strategy="specinfer", drafters="ngram")  # model-free: fine
