@@ -1,4 +1,5 @@
-"""Command line: `speculor generate | bench | calibrate | profile | fetch-models | serve`. argparse lives here only."""
+"""Command line: `speculor generate | bench | calibrate | profile | train-head | tune-threshold | fetch-models | serve`.
+argparse lives here only."""
 
 from __future__ import annotations
 
@@ -35,8 +36,15 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acc", default=None, help="sequoia: calibration JSON (default: cached, else built-in)")
 
 
+def _add_specdecpp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threshold", type=float, default=None, help="specdecpp: stop when 1 - prod P̂ > h (default: tuned)")
+    p.add_argument("--head", default=None, help="specdecpp: head file (default: the packaged head)")
+    p.add_argument("--k-min", type=int, default=None, help="specdecpp: fewest draft tokens per step (default 2)")
+    p.add_argument("--k-max", type=int, default=None, help="specdecpp: most draft tokens per step (default 20)")
+
+
 def _strategy_options(args: argparse.Namespace) -> dict:
-    names = ("k", "budget", "depth", "width", "acc")
+    names = ("k", "budget", "depth", "width", "acc", "threshold", "head", "k_min", "k_max")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -52,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_tree_args(g)
+    _add_specdecpp_args(g)
     _add_model_args(g)
     _add_sampling_args(g)
 
@@ -79,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--width", type=int, default=8)
     _add_model_args(pr)
 
+    _add_train_head_parser(sub)
+    _add_tune_threshold_parser(sub)
+
     sub.add_parser("fetch-models", help="download and convert the embedded model pair and prompt sets")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -88,8 +100,44 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--queue-size", type=int, default=64)
     s.add_argument("--k", type=int, default=None, help="draft length of the chain strategy")
     _add_tree_args(s)
+    _add_specdecpp_args(s)
     _add_model_args(s)
     return ap
+
+
+def _add_train_head_parser(sub) -> None:
+    t = sub.add_parser("train-head", help="SpecDec++: build training data on ShareGPT and train the acceptance head")
+    t.add_argument("--sequences", type=int, default=200, help="ShareGPT conversations used (data size)")
+    t.add_argument("--max-len", type=int, default=256, help="prompt + reply tokens per sequence")
+    t.add_argument("--max-prompt", type=int, default=160, help="skip prompts longer than this (tokens)")
+    t.add_argument("--mixing-ratio", type=float, default=0.15, help="r: share of true reply tokens in Z")
+    t.add_argument("--heldout", type=float, default=0.1, help="share of sequences held out")
+    t.add_argument("--layers", type=int, default=3, help="residual blocks of the head")
+    t.add_argument("--epochs", type=int, default=20)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--batch-size", type=int, default=256)
+    t.add_argument("--weight", type=float, default=6.0, help="w: loss weight of the reject class")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default=None, help="head file (default: <cache>/specdecpp/head--<draft>.safetensors)")
+    t.add_argument("--plot", default=None, help="calibration PNG (default: next to the head)")
+    _add_model_args(t)
+
+
+def _add_tune_threshold_parser(sub) -> None:
+    u = sub.add_parser("tune-threshold", help="SpecDec++: pick the stopping threshold h by measured tokens/s")
+    u.add_argument("--head", default=None, help="head file (default: the packaged head)")
+    u.add_argument("--grid", default="0.1,0.3,0.5,0.7,0.9", help="comma-separated thresholds to try")
+    u.add_argument("--temperatures", default="0,0.7", help="comma-separated; one threshold per temperature")
+    u.add_argument("--top-p", type=float, default=1.0)
+    u.add_argument("--sets", default="mtbench,humaneval")
+    u.add_argument("--prompts", type=int, default=4, help="number of prompts")
+    u.add_argument("--skip", type=int, default=6, help="skip the first prompts (the bench's) to keep them apart")
+    u.add_argument("--max-new-tokens", type=int, default=48)
+    u.add_argument("--k-min", type=int, default=2)
+    u.add_argument("--k-max", type=int, default=20)
+    u.add_argument("--seed", type=int, default=0)
+    u.add_argument("--out", default=None, help="thresholds JSON (default: the cache, where `specdecpp` looks)")
+    _add_model_args(u)
 
 
 def load_pair_from_args(args: argparse.Namespace):
@@ -125,6 +173,68 @@ def cmd_generate(args: argparse.Namespace) -> None:
     dt = time.perf_counter() - t0
     print(f"\n\n[{args.strategy}] {n} tokens in {dt:.2f} s: {n / dt:.2f} tokens/s, tau = {stats.tau:.2f}",
           file=sys.stderr)
+
+
+def cmd_train_head(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from speculor import embedded, specdecpp
+    from speculor.assets import cache_dir
+    from speculor.models import load_pair
+
+    data_cfg = specdecpp.DataConfig(sequences=args.sequences, max_len=args.max_len, max_prompt=args.max_prompt,
+                                    mixing_ratio=args.mixing_ratio, heldout=args.heldout, seed=args.seed)
+    train_cfg = specdecpp.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                                      weight_mismatch=args.weight, layers=args.layers, seed=args.seed)
+    target = embedded.DEFAULT_TARGET if args.target == "default" else args.target
+    draft = embedded.DEFAULT_DRAFT if args.draft == "default" else args.draft
+    if draft == "none":
+        raise SpeculorError("train-head needs a draft model")
+    out = Path(args.out) if args.out else cache_dir() / "specdecpp" / f"head--{Path(draft).name}.safetensors"
+    plot = Path(args.plot) if args.plot else out.with_suffix(".calibration.png")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    # the target's logits only: no prepacked copy of its weights (saves ~6.7 GB); the draft runs as in the engine
+    record = specdecpp.train_and_save(lambda: load_pair(target, draft, device=args.device, dtype=dtype, packed=False),
+                                      target, draft, data_cfg, train_cfg, out, plot)
+    loss, data = record["loss"], record["training"]["data"]
+    print(f"data: {data['train_sequences']} + {data['heldout_sequences']} sequences, {data['train_positions']} train "
+          f"/ {data['heldout_positions']} held-out positions ({data['cache']})")
+    print(f"weighted loss (w = {loss['weight_mismatch']:g}): train {loss['train']:.4f}, held-out {loss['heldout']:.4f}"
+          f" (best epoch {record['training']['best_epoch']})")
+    print(f"calibration error vs the w-optimum {record['calibration']['error_vs_w_optimum']:.3f}")
+    print(f"saved {out} (+ .json) and {plot}")
+
+
+def cmd_tune_threshold(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from speculor import prompts, specdecpp
+    from speculor.api import Speculor
+    from speculor.config import SamplingConfig
+
+    grid = [float(h) for h in args.grid.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    if args.prompts < 1 or args.skip < 0:
+        raise SpeculorError("--prompts must be >= 1 and --skip >= 0")
+    sp = Speculor(load_pair_from_args(args), strategy="specdecpp", head=args.head, k_min=args.k_min,
+                  k_max=args.k_max)
+    chosen = prompts.load(args.sets.split(","), args.skip + args.prompts)[args.skip:]
+    ids = [sp.encode(p.text, chat=p.chat) for p in chosen]
+    head_path = Path(args.head).expanduser() if args.head else specdecpp.HEAD_FILE
+    sha = specdecpp.file_sha256(head_path)
+    path = Path(args.out) if args.out else specdecpp.threshold_path(sha)
+    for temp in temps:
+        cfg = SamplingConfig(temperature=temp, top_p=args.top_p if temp > 0 else 1.0, seed=args.seed,
+                             max_new_tokens=args.max_new_tokens)
+        result = specdecpp.tune_threshold(sp, ids, cfg, grid, head=args.head, k_min=args.k_min, k_max=args.k_max)
+        specdecpp.save_threshold(path, sha, temp, result | {"sets": args.sets, "skip": args.skip})
+        for h, row in result["grid"].items():
+            print(f"T={temp:g} h={h}: {row['tokens_per_s']:.2f} tokens/s, tau {row['tau']:.2f}, "
+                  f"mean K {row['mean_k']:.2f}")
+        print(f"T={temp:g}: threshold {result['threshold']:g}")
+    print(f"saved {path}")
 
 
 def cmd_fetch_models(args: argparse.Namespace) -> None:
@@ -198,7 +308,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate, "profile": cmd_profile,
-            "fetch-models": cmd_fetch_models, "serve": cmd_serve}
+            "train-head": cmd_train_head, "tune-threshold": cmd_tune_threshold, "fetch-models": cmd_fetch_models,
+            "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

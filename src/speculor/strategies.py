@@ -11,6 +11,7 @@ from speculor.errors import SpeculorError
 from speculor.gsd import make_gsd
 from speculor.models import Pair
 from speculor.sequoia import make_sequoia
+from speculor.specdecpp import make_specdecpp
 from speculor.specinfer import make_ngram, make_specinfer
 from speculor.topk_tree import make_topk_tree
 
@@ -33,6 +34,7 @@ BUILDERS: dict[str, Callable[..., Drafter | None]] = {
     "sequoia": make_sequoia,  # options: budget (int or "auto"), depth, width, acc (see sequoia.SequoiaOptions)
     "specinfer": make_specinfer,  # options: expansion ("1-1-3-1-1-1-1-1"), drafters ("draft+draft@1.5+ngram")
     "ngram": make_ngram,  # options: k (tokens per continuation), n (longest n-gram), branches
+    "specdecpp": make_specdecpp,  # options: threshold, k_min, k_max, head (see specdecpp.SpecDecPPOptions)
     "dyspec": make_dyspec,  # options: variant, budget (int or "auto"), threshold, depth, temperature, batch
     "topk-tree": make_topk_tree,  # options: budget, depth, k (see topk_tree.TopkOptions)
     "gsd": make_gsd,  # options: n, k, sibling_threshold, prob_threshold, depth, budget (see gsd.GSDOptions)
