@@ -5,19 +5,44 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
 
 import numpy as np
 import pytest
+import torch
+from test_engine_toy import goodness_of_fit
+from test_tiny_transformers import WORDS, reference_greedy, tiny_qwen2, word_tokenizer
+from test_tiny_transformers import perturbed as qwen_perturbed
+from toy import ToyLM, exact_law, perturbed, plain_greedy, random_toy
 
+from speculor import Speculor, engine
+from speculor.config import SamplingConfig
+from speculor.errors import SpeculorError
+from speculor.models import LM, Pair
 from speculor.sequoia import (
+    AUTO_NODES,
+    Calibration,
     CostModel,
+    SequoiaDrafter,
+    SequoiaOptions,
+    builtin_calibrations,
+    calibrate,
+    calibration_path,
     choose_tree,
+    cost_path,
     expected_tokens,
+    feed_widths,
     level_widths,
     nested_to_shape,
     optimal_trees,
+    plan_tree,
+    profile_cost,
+    resolve_acc,
 )
+from speculor.strategies import make_drafter
+
+V = 6  # toy vocabulary
 
 # ---------------------------------------------------------------- the DP against brute force
 
@@ -130,6 +155,7 @@ def test_special_cases():
 def test_shape_helpers():
     assert nested_to_shape([[[], []], [[[]]]]) == [-1, -1, 0, 0, 1, 4]
     assert level_widths([-1, -1, 0, 0, 1, 4]) == [2, 3, 1] and level_widths([]) == []
+    assert feed_widths([-1, -1, 0, 0, 1, 4]) == [2, 1] and feed_widths([-1, -1]) == [] and feed_widths([]) == []
     assert expected_tokens([0.5, 0.25], [-1, -1, 0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
 
 
@@ -150,6 +176,7 @@ def test_cost_model_interpolation_and_json(tmp_path):
     # a chain of 3: target over 4 tokens, draft catch-up + forwards at depths 1 and 2 (not the last)
     assert c.step_s([-1, 0, 1]) == pytest.approx(1.4 + 3 * 0.21)
     assert c.step_s([]) == pytest.approx(1.1)
+    assert c.step_s([-1, -1, 0, 0, 1, 4]) == pytest.approx(1.7 + 0.21 + 0.22 + 0.21)
     c.save(tmp_path / "c.json")
     assert CostModel.load(tmp_path / "c.json") == c
     with pytest.raises(ValueError):
@@ -184,3 +211,197 @@ def test_choice_is_the_argmax_of_the_ratio():
     ratios = [table.best[n, d] / c.step_s(table.shape(n, d)) for n in range(2, 49) for d in range(2, 11)
               if table.feasible(n, d)]
     assert choice.tokens_per_s == pytest.approx(max(ratios))
+
+
+# ---------------------------------------------------------------- options, plans and where acc comes from
+
+
+def test_options_are_validated(tmp_path):
+    SequoiaOptions(budget="auto")
+    SequoiaOptions(budget=4, depth=2, width=3, acc=[0.5, 0.2])
+    for bad in [dict(budget=0), dict(budget="big"), dict(budget=2.5), dict(depth=0), dict(width=65),
+                dict(budget=True), dict(acc=[0.8, 0.5]), dict(acc=[-0.1]), dict(acc=str(tmp_path / "none.json"))]:
+        with pytest.raises(SpeculorError):
+            SequoiaOptions(**bad)
+
+
+def test_plan_for_a_fixed_budget_uses_the_dp_tree():
+    opts = SequoiaOptions(budget=5, depth=3, width=2)
+    shape, expected, choice = plan_tree([0.6, 0.2, 0.1], opts, None)
+    table = optimal_trees([0.6, 0.2], 6, 4)
+    assert list(shape) == table.shape(6, 4) and expected == pytest.approx(table.best[6, 4]) and choice is None
+    # a budget beyond what depth x width can hold is cut to the biggest tree that fits
+    shape, _, _ = plan_tree([0.6], SequoiaOptions(budget=10, depth=3, width=1), None)
+    assert list(shape) == [-1, 0, 1]
+
+
+def test_plan_auto_uses_the_cost_model():
+    c = cost(lambda n: 1.0, lambda w: 0.0)
+    shape, expected, choice = plan_tree(ACC, SequoiaOptions(budget="auto", depth=4, width=4), c)
+    assert choice is not None and len(shape) == AUTO_NODES - 1 and choice.d == 5
+    assert max(np.bincount(np.array(shape) + 1)) <= 4
+
+
+def test_calibration_json_and_resolution(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path))
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9)
+    cal = Calibration("t", "d", 0.7, 0.9, (6, 2, 0, 1), 12, prompts=3, sets="x")
+    assert cal.acc == pytest.approx([0.5, 1 / 6, 0, 1 / 12])
+    path = calibration_path("t", "d", 0.7, 0.9)
+    assert path.parent == tmp_path / "sequoia"
+    cal.save(path)
+    assert Calibration.from_dict(json.loads(path.read_text())) == cal
+    assert resolve_acc(None, "t", "d", cfg) == (cal.acc, str(path))  # the cached calibration of the pair
+    assert resolve_acc([0.3, 0.1], "t", "d", cfg) == ([0.3, 0.1], "given")
+    plain = tmp_path / "acc.json"
+    plain.write_text(json.dumps({"acc": [0.4, 0.2]}))
+    assert resolve_acc(str(plain), "t", "d", cfg)[0] == [0.4, 0.2]
+    plain.write_text("{broken")
+    with pytest.raises(SpeculorError, match="speculor calibrate"):
+        resolve_acc(str(plain), "t", "d", cfg)
+    # another pair, or another temperature, has no cached calibration: the built-in vector of the embedded pair
+    for target, c in [("other", cfg), ("t", SamplingConfig()), ("t", SamplingConfig(temperature=1.3))]:
+        acc, source = resolve_acc(None, target, "d", c)
+        assert source.startswith("built-in") and 0 < sum(acc) <= 1
+    greedy, sampled = (resolve_acc(None, "x", "y", SamplingConfig(temperature=t))[1] for t in (0, 1.3))
+    assert "T=0," in greedy and "T=0.7," in sampled
+
+
+def test_builtin_calibrations_are_sane():
+    cals = builtin_calibrations()
+    assert {c.temperature for c in cals} >= {0.0, 0.7}
+    for c in cals:
+        assert c.target == "qwen2.5-coder-1.5b-instruct" and c.draft == "qwen2.5-coder-0.5b-instruct"
+        assert sum(c.counts) <= c.steps and c.steps >= 100 and len(c.counts) >= 8
+
+
+# ---------------------------------------------------------------- with models: calibration, decoding, profiling
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add overhead on a shared machine
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def toy_target() -> ToyLM:
+    return random_toy(V, seed=0)
+
+
+def toy_pair(target: ToyLM, draft: ToyLM) -> Pair:
+    return Pair(LM(target), LM(draft), tokenizer=None, target_name="toy-t", draft_name="toy-d")
+
+
+PROMPTS = [[1, 2], [0], [5, 4, 3], [3, 3]]
+TINY_PROMPTS = [[1, 2, 3, 4, 5], [42], [99, 0, 13, 56, 21, 8, 3, 71, 30]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_calibration_with_the_target_as_draft_accepts_the_first_child(toy_target, temperature):
+    pair = toy_pair(toy_target, perturbed(toy_target, seed=0, noise=0.0))
+    cfg = SamplingConfig(temperature=temperature, seed=0)
+    cal = calibrate(pair, PROMPTS, cfg, width=4, steps=6, progress=False)
+    assert cal.steps == 24 and cal.counts == (24, 0, 0, 0) and cal.acc[0] == 1.0
+    assert (cal.target, cal.draft, cal.temperature, cal.prompts) == ("toy-t", "toy-d", temperature, 4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_calibration_counts_with_another_draft(toy_target, temperature):
+    pair = toy_pair(toy_target, perturbed(toy_target, seed=1, noise=1.5))
+    cal = calibrate(pair, PROMPTS * 5, SamplingConfig(temperature=temperature, seed=1), width=V, steps=10,
+                    progress=False)
+    assert cal.steps == 200 and 0 < sum(cal.counts) <= cal.steps and sum(cal.acc) <= 1
+    assert cal.counts[0] > 0 and sum(cal.counts[1:]) > 0  # later ranks are accepted too
+    if temperature == 0:  # greedy matching: the target's argmax is always one of all V tokens
+        assert sum(cal.counts) == cal.steps
+
+
+@pytest.mark.parametrize("shape_opts", [dict(budget=6, depth=3, width=3), dict(budget=3, depth=3, width=1)])
+def test_greedy_sequoia_equals_plain_greedy_on_the_toy(toy_target, shape_opts):
+    draft = perturbed(toy_target, seed=1, noise=0.8)
+    drafter = SequoiaDrafter(LM(draft), "t", "d", SequoiaOptions(acc=(0.6, 0.2, 0.1), **shape_opts))
+    for prompt in PROMPTS:
+        stats = engine.Stats()
+        out = [t.id for t in engine.stream(LM(toy_target), drafter, prompt, SamplingConfig(max_new_tokens=15),
+                                           stats=stats)]
+        assert out == plain_greedy(toy_target, prompt, 15)
+        assert max(s.drafted for s in stats.steps) == shape_opts["budget"]
+
+
+N_LAW = 3
+LAW_PROMPT = [1, 2]
+
+
+def sequoia_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed0: int) -> torch.Tensor:
+    """Counts [V]*3 of the first 3 tokens over m seeded sequoia generations with a branching tree."""
+    t_lm = LM(target)
+    drafter = SequoiaDrafter(LM(draft), "t", "d", SequoiaOptions(budget=5, depth=2, width=3, acc=(0.5, 0.25, 0.1)))
+    assert drafter.plan(cfg).shape == (-1, -1, 0, 0, 1)  # siblings at both depths
+    counts = torch.zeros([V] * N_LAW, dtype=torch.float64)
+    for i in range(m):
+        run = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=N_LAW, seed=seed0 + i)
+        counts[tuple(t.id for t in engine.stream(t_lm, drafter, LAW_PROMPT, run))] += 1
+    return counts
+
+
+@pytest.mark.parametrize(("cfg", "m"), [(SamplingConfig(temperature=1.0), 2500),
+                                        (SamplingConfig(temperature=0.7, top_p=0.9), 1200)])
+def test_sequoia_decoding_follows_the_exact_law(toy_target, cfg, m):
+    draft = perturbed(toy_target, seed=1, noise=0.8)
+    pvalue, tv, floor = goodness_of_fit(sequoia_counts(toy_target, draft, cfg, m, seed0=7),
+                                        exact_law(toy_target, LAW_PROMPT, cfg, N_LAW))
+    assert pvalue > 1e-3, f"chi-square p-value {pvalue:.2e} (TV {tv:.4f}, noise floor {floor:.4f})"
+    assert tv < 2 * floor
+
+
+@pytest.fixture(scope="module")
+def tiny_pair() -> Pair:
+    target = tiny_qwen2(0)
+    return Pair(LM(target), LM(qwen_perturbed(target, 0.1, seed=2)), word_tokenizer(WORDS), "tiny-t", "tiny-d")
+
+
+@pytest.mark.parametrize("options", [dict(budget=8, depth=4, width=3), dict(budget=12, depth=2, width=8),
+                                     dict(budget=4, depth=4, width=1)])
+def test_greedy_sequoia_equals_plain_greedy_on_tiny_qwen2(tiny_pair, options):
+    sp = Speculor(tiny_pair, strategy="sequoia", acc=[0.6, 0.15, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01], **options)
+    cfg = SamplingConfig(max_new_tokens=20, stop_on_eos=False)
+    for prompt in TINY_PROMPTS:
+        out = sp.generate(prompt, cfg)
+        assert out.token_ids == reference_greedy(tiny_pair.target.model, prompt, 20), f"prompt {prompt}"
+        assert max(s.drafted for s in out.stats.steps) == options["budget"] and out.tau > 1
+
+
+def test_sequoia_sampling_on_tiny_qwen2_runs_with_the_builtin_vector(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path))
+    sp = Speculor(tiny_pair, strategy="sequoia", budget=10)
+    a, b = (sp.generate([1, 2, 3], SamplingConfig(temperature=0.8, seed=4, max_new_tokens=12, stop_on_eos=False))
+            for _ in range(2))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12  # a seed fixes the sample
+
+
+def test_budget_auto_uses_the_cached_cost_model(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path))
+    CostModel((1, 6, 7, 128), (1.0, 1.0, 100.0, 100.0), (1, 128), (0.0, 0.0)).save(cost_path(tiny_pair))
+    drafter = make_drafter("sequoia", tiny_pair, budget="auto", depth=3, width=4, acc=[0.5, 0.2, 0.1, 0.1])
+    plan = drafter.plan(SamplingConfig())
+    assert plan.choice is not None and len(plan.shape) == 5 and plan.choice.n == 6
+
+
+def test_profile_cost_on_tiny_models(tiny_pair):
+    before = (tiny_pair.target.length, tiny_pair.draft.length)
+    c = profile_cost(tiny_pair, sizes=(1, 2, 4), repeats=1, progress=False)
+    assert c.target_n == (1, 2, 4) and len(c.draft_s) == 3 and min(c.target_s + c.draft_s) > 0
+    meta = dict(c.meta)
+    assert meta["target"] == "tiny-t" and meta["threads"] == "1" and meta["device"] == "cpu"
+    assert (tiny_pair.target.length, tiny_pair.draft.length) == before  # the pair's own caches are untouched
+
+
+def test_bad_sequoia_options(tiny_pair):
+    for bad in [dict(budget=0), dict(depth="3"), dict(acc="/no/such/calibration.json"), dict(nope=1)]:
+        with pytest.raises(SpeculorError):
+            make_drafter("sequoia", tiny_pair, **bad)
+    with pytest.raises(SpeculorError, match="needs a draft"):
+        make_drafter("sequoia", Pair(tiny_pair.target, None, tiny_pair.tokenizer))

@@ -172,6 +172,19 @@ def level_widths(shape: Sequence[int]) -> list[int]:
     return [depth.count(k) for k in range(max(depth) + 1)] if depth else []
 
 
+def feed_widths(shape: Sequence[int]) -> list[int]:
+    """Per depth 1, 2, ...: the nodes that have children, i.e. the rows of each batched draft forward of
+    `TreeDrafter` (the last depth is never fed); [] for a depth-1 tree."""
+    has_kids = set(p for p in shape if p >= 0)
+    depth: list[int] = []
+    for p in shape:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    widths = [0] * (max(depth) if depth else 0)
+    for node in has_kids:
+        widths[depth[node]] += 1
+    return widths
+
+
 # ---------------------------------------------------------------- hardware-aware size (§4.2)
 
 
@@ -181,8 +194,9 @@ class CostModel:
 
     t_target(n): the target verifying a block of n tokens (root + n - 1 draft nodes) after a ~200-token prefix.
     t_draft(w):  one draft forward over w tokens (one depth of the tree, or the catch-up block).
-    A step drafting shape T costs  t_target(|T| + 1) + t_draft(1) + Σ_{depth k < depth(T)} t_draft(width_k):
-    the catch-up forward gives q at the root, then one batched forward per depth except the last.
+    A step drafting shape T costs  t_target(|T| + 1) + t_draft(1) + Σ_{depth k < depth(T)} t_draft(w_k), w_k =
+    nodes at depth k that have children: the catch-up forward gives q at the root, then `TreeDrafter` feeds
+    those nodes of each depth but the last as one block (`feed_widths`).
     """
 
     target_n: tuple[int, ...]
@@ -204,8 +218,7 @@ class CostModel:
 
     def step_s(self, shape: Sequence[int]) -> float:
         """Seconds of one speculative step with this tree shape (plain decoding for an empty shape)."""
-        widths = level_widths(shape)
-        draft = (self.t_draft(1) + sum(self.t_draft(w) for w in widths[:-1])) if widths else 0.0
+        draft = (self.t_draft(1) + sum(self.t_draft(w) for w in feed_widths(shape))) if shape else 0.0
         return self.t_target(len(shape) + 1) + draft
 
     def to_json(self) -> str:
@@ -305,7 +318,8 @@ def time_forwards(lm: LM, sizes: Sequence[int], *, prefix: int = 200, repeats: i
 
 
 def machine_key(pair: Pair) -> dict[str, str]:
-    """What a cost model depends on: the machine, its CPU or GPU, torch's threads, device, dtype and the pair."""
+    """What a cost model depends on: the machine, its CPU or GPU, torch's threads, device, dtype, the pair and
+    the matmul kernels its models run."""
     lm = pair.target
     if lm.device.type == "cuda":
         chip = torch.cuda.get_device_name(lm.device)
@@ -313,7 +327,13 @@ def machine_key(pair: Pair) -> dict[str, str]:
         chip = _cpu_model()
     return {"node": platform.node(), "chip": chip, "threads": str(torch.get_num_threads()),
             "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
-            "target": pair.target_name, "draft": pair.draft_name}
+            "target": pair.target_name, "draft": pair.draft_name,
+            "kernels": f"{_linear_kinds(lm.model)} / {_linear_kinds(pair.draft.model) if pair.draft else '-'}"}
+
+
+def _linear_kinds(model: torch.nn.Module) -> str:
+    """Which matmul kernels a model runs (e.g. 'Int8Linear' after kernels.pack_linears): they set its speed."""
+    return ",".join(sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear")}))
 
 
 def _cpu_model() -> str:
