@@ -146,3 +146,15 @@ def test_gsd_follows_the_exact_law(target, draft):
 def test_bad_options(options):
     with pytest.raises(SpeculorError):
         GSDOptions(**options)
+
+
+def test_engine_and_bench_record_the_work_saved(target, draft):
+    from speculor.bench import sum_stats
+
+    drafter = GSDDrafter(LM(draft), GSDOptions(n=3, k=0, sibling_threshold=0.1, prob_threshold=0.2, budget=12))
+    stats = engine.Stats()
+    list(engine.stream(LM(target), drafter, [1, 2], SamplingConfig(max_new_tokens=15), stats=stats))
+    per_step = [s.drafter_stats for s in stats.steps]
+    assert all(d is not None and d["verified"] == s.drafted for d, s in zip(per_step, stats.steps, strict=True))
+    assert sum_stats(per_step) == drafter.totals
+    assert sum_stats([None, {"a": 1}, {"a": 2, "b": 1}]) == {"a": 3, "b": 1} and sum_stats([None]) is None

@@ -93,7 +93,17 @@ def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> di
             "accepted": [s.accepted for s in stats.steps], "drafted": [s.drafted for s in stats.steps],
             "draft_forwards": sum(s.draft_forwards for s in stats.steps),
             "draft_s": sum(s.draft_s for s in stats.steps), "verify_s": sum(s.verify_s for s in stats.steps),
-            "overhead_s": sum(s.overhead_s for s in stats.steps), "steps": len(stats.steps)}
+            "overhead_s": sum(s.overhead_s for s in stats.steps), "steps": len(stats.steps),
+            "drafter_stats": sum_stats([s.drafter_stats for s in stats.steps])}
+
+
+def sum_stats(dicts: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Key-wise sums of drafters' per-step `stats` dicts (e.g. gsd's draft work saved by merging); None if none."""
+    out: dict[str, float] = {}
+    for d in dicts:
+        for key, value in (d or {}).items():
+            out[key] = out.get(key, 0) + value
+    return out or None
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -195,6 +205,7 @@ def _aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: flo
     steps = [a for r in rows if r.get("accepted") is not None for a in r["accepted"]]
     agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
     agg["speedup_by_category"] = _by_category(rows, base)
+    agg["drafter_stats"] = sum_stats([r.get("drafter_stats") for r in rows])
     if steps:
         depth = max(steps)
         agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]

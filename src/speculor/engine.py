@@ -42,6 +42,7 @@ class Step:
     draft_s: float
     verify_s: float  # target forward
     overhead_s: float  # acceptance and bookkeeping
+    drafter_stats: dict[str, float] | None = None  # the drafter's own numbers of the step (its `stats` dict, if any)
 
 
 @dataclass
@@ -106,4 +107,6 @@ def _step(target: LM, drafter: Drafter | None, seq: list[int], cfg: SamplingConf
         drafter.observe(len(seq), verdict)
     t3 = time.perf_counter()
     forwards = drafter.forwards if drafter is not None else 0
-    return verdict, tree, Step(len(verdict.path), len(tree), forwards, t1 - t0, t2 - t1, t3 - t2)
+    own = getattr(drafter, "stats", None)
+    return verdict, tree, Step(len(verdict.path), len(tree), forwards, t1 - t0, t2 - t1, t3 - t2,
+                               dict(own) if isinstance(own, dict) else None)
