@@ -263,7 +263,7 @@ class Choice:
 
 
 def choose_tree(acc: Sequence[float], cost: CostModel, n_max: int, d_max: int, n_min: int = 2) -> Choice:
-    """argmax over n_min <= n <= n_max, 2 <= d <= d_max of G(n, d) / step time, G = Tmax[n][d] (§4.2):
+    """argmax over n_min <= n <= n_max, d <= d_max of G(n, d) / step time, G = Tmax[n][d] (§4.2):
     expected tokens per second, with the step time of the DP's own tree for (n, d) (`CostModel.step_s`)."""
     table = optimal_trees(acc, n_max, d_max)
     best: Choice | None = None
