@@ -33,6 +33,7 @@ from speculor.sequoia import (
     cost_path,
     expected_tokens,
     feed_widths,
+    implausible,
     level_widths,
     nested_to_shape,
     optimal_trees,
@@ -397,6 +398,11 @@ def test_profile_cost_on_tiny_models(tiny_pair):
     meta = dict(c.meta)
     assert meta["target"] == "tiny-t" and meta["threads"] == "1" and meta["device"] == "cpu"
     assert (tiny_pair.target.length, tiny_pair.draft.length) == before  # the pair's own caches are untouched
+
+
+def test_implausible_cost_curves_are_flagged():
+    assert not implausible((1, 2, 4), (0.4, 0.9, 0.95)) and not implausible((1, 2), (0.5, 0.4))
+    assert implausible((1, 2, 4), (11.3, 4.1, 4.4))
 
 
 def test_bad_sequoia_options(tiny_pair):

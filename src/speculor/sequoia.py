@@ -294,7 +294,9 @@ def time_forwards(lm: LM, sizes: Sequence[int], *, prefix: int = 200, repeats: i
                   bar: tqdm | None = None) -> list[float]:
     """Median seconds of one `lm.forward` over a block of n tokens after `prefix` committed tokens, per n.
 
-    Uses its own cache on the same weights (`LM(lm.model)`), so a generation running with `lm` is untouched.
+    The repeats run in rounds over all sizes (not back to back), so a burst of load from another process
+    spreads over sizes instead of inflating one. Uses its own cache on the same weights (`LM(lm.model)`),
+    so a generation running with `lm` is untouched.
     """
     probe = LM(lm.model, vocab_size=lm.vocab_size)
     g = torch.Generator().manual_seed(0)
@@ -302,19 +304,22 @@ def time_forwards(lm: LM, sizes: Sequence[int], *, prefix: int = 200, repeats: i
     probe.forward(tokens[:prefix])
     probe.commit(list(range(prefix)))
     probe.forward(tokens[prefix:prefix + 2])  # warm-up
-    medians = []
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for i, n in enumerate(sizes):
             _sync(probe)
             t0 = time.perf_counter()
             probe.forward(tokens[prefix:prefix + n])
             _sync(probe)
-            times.append(time.perf_counter() - t0)
+            times[i].append(time.perf_counter() - t0)
             if bar is not None:
                 bar.update()
-        medians.append(statistics.median(times))
-    return medians
+    return [statistics.median(t) for t in times]
+
+
+def implausible(ns: Sequence[int], seconds: Sequence[float], slack: float = 1.5) -> bool:
+    """True when a bigger block was timed much faster than a smaller one (a busy machine, not the model)."""
+    return any(seconds[j] * slack < seconds[i] for i in range(len(ns)) for j in range(i + 1, len(ns)))
 
 
 def machine_key(pair: Pair) -> dict[str, str]:
@@ -353,6 +358,9 @@ def profile_cost(pair: Pair, sizes: Sequence[int] = SIZES, *, repeats: int = 3, 
     with tqdm(total=2 * len(sizes) * repeats, desc="profile target+draft", unit="fwd", disable=not progress) as bar:
         t = time_forwards(pair.target, sizes, repeats=repeats, bar=bar)
         d = time_forwards(pair.draft, sizes, repeats=repeats, bar=bar)
+    if implausible(sizes, t) or implausible(sizes, d):
+        logger.warning("sequoia: forward times do not grow with the block size (%s); the machine looks busy: "
+                       "run `speculor profile --force` when it is idle", [round(x, 3) for x in t])
     return CostModel(tuple(sizes), tuple(t), tuple(sizes), tuple(d), tuple(sorted(machine_key(pair).items())))
 
 
