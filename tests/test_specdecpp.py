@@ -64,8 +64,11 @@ def test_head_shapes_and_separate_blocks():
     assert len(head.blocks) == 3 and len({id(b.weight) for b in head.blocks}) == 3  # not one shared block
     assert not torch.equal(head.blocks[0].weight, head.blocks[1].weight)
     assert sum(p.numel() for p in head.parameters()) == 3 * (16 * 16 + 16) + 16 * 2 + 2
-    x = torch.randn(4, 16)  # x <- x + SiLU(Wx + b), three times, then the linear output
-    h = x
+    with torch.no_grad():
+        head.mu.normal_()
+        head.sigma.uniform_(0.5, 2.0)
+    x = torch.randn(4, 16)  # standardise, x <- x + SiLU(Wx + b) three times, then the linear output
+    h = (x - head.mu) / head.sigma
     for b in head.blocks:
         h = h + torch.nn.functional.silu(h @ b.weight.T + b.bias)
     assert torch.allclose(head(x), h @ head.out.weight.T + head.out.bias, atol=1e-6)
@@ -79,6 +82,9 @@ def test_head_config_is_validated(bad):
 
 def test_save_load_round_trip(tmp_path: Path):
     head = random_head(24, seed=3)
+    with torch.no_grad():
+        head.mu.normal_()
+        head.sigma.uniform_(0.5, 2.0)
     path = tmp_path / "h.safetensors"
     save_head(head, path, {"draft": {"name": "x", "sha256": "abc"}, "training": {"temperature": 1.0}})
     loaded, record = load_head(path)
@@ -88,7 +94,9 @@ def test_save_load_round_trip(tmp_path: Path):
     x = torch.randn(9, 24)
     with torch.no_grad():
         rounded = AcceptanceHead(HeadConfig(24, 3))
-        rounded.load_state_dict({k: v.half().float() for k, v in head.state_dict().items()})
+        keep = ("mu", "sigma")  # saved in fp32
+        rounded.load_state_dict({k: v if k in keep else v.half().float() for k, v in head.state_dict().items()})
+        assert torch.equal(loaded.mu, rounded.mu) and torch.equal(loaded.sigma, rounded.sigma)
         assert torch.allclose(loaded(x), rounded(x), atol=1e-6)
         assert torch.allclose(loaded(x), head(x), atol=1e-2)
 
@@ -297,6 +305,23 @@ def test_sequence_features_use_the_mixed_sequence(tiny_pair):
     assert hidden.shape == want.shape and torch.allclose(hidden, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("committed", [0, 4])
+def test_forward_last_is_lm_forward_with_the_last_logits_only(tiny_pair, committed):
+    lm, ref = tiny_pair.draft, LM(tiny_pair.draft.model)
+    prefix, block = [9, 8, 7, 6], [5, 17, 33, 2, 61]
+    for m in (lm, ref):
+        m.reset()
+        if committed:
+            m.forward(prefix[:committed])
+            m.commit(list(range(committed)))
+    logits, hidden = specdecpp.forward_last(lm, block)
+    want_logits, want_hidden = ref.forward(block, hidden=True)
+    assert torch.equal(hidden, want_hidden) and torch.allclose(logits, want_logits[-1], atol=1e-5)
+    lm.commit(list(range(len(block))))
+    assert lm.length == committed + len(block) and lm.cache.get_seq_length() == lm.length
+    lm.reset()
+
+
 def test_data_config_split_and_validation():
     cfg = DataConfig(heldout=0.1)
     held = [i for i in range(100) if cfg.is_heldout(i)]
@@ -318,15 +343,19 @@ def synthetic_features(n: int, hidden: int, seed: int) -> Features:
 
 def test_training_lowers_the_held_out_loss():
     train, held = synthetic_features(2048, 8, 0), synthetic_features(512, 8, 1)
-    cfg = TrainConfig(epochs=8, batch_size=128, lr=3e-3)
+    cfg = TrainConfig(epochs=8, batch_size=128, lr=1e-2)
     before = specdecpp.evaluate(AcceptanceHead(HeadConfig(8, 3)), held, 6.0)
     result = specdecpp.train_head(train, held, cfg, progress=False)
     after = specdecpp.evaluate(result.head, held, 6.0)
-    assert after < 0.8 * before and len(result.history) == 8
-    assert result.history[result.best_epoch - 1]["heldout_loss"] == pytest.approx(after, rel=1e-5)
+    assert after < 0.8 * before and len(result.history) == 9 and result.best_epoch > 0
+    assert result.history[result.best_epoch]["heldout_loss"] == pytest.approx(after, rel=1e-5)
+    # epoch 0 is the best constant predictor: P̂ = sum y / (sum y + w sum (1 - y)) everywhere
+    p0 = specdecpp.constant_accept(train.labels, 6.0)
+    const = torch.tensor([[math.log(1 - p0), math.log(p0)]]).expand(len(held), 2)
+    assert result.history[0]["heldout_loss"] == pytest.approx(float(weighted_bce(const, held.labels, 6.0)), rel=1e-4)
     rows = specdecpp.calibration(result.head, held, bins=10)
     assert sum(r["count"] for r in rows) == 512
-    assert specdecpp.calibration_error(rows, 6.0) < 0.1  # calibrated against the weighted optimum
+    assert specdecpp.calibration_error(rows, 6.0) < 0.05  # calibrated against the weighted optimum
 
 
 def test_lr_schedule():
