@@ -13,7 +13,7 @@ from toy import ToyLM, exact_law, perturbed, plain_greedy, random_toy
 
 from speculor import engine
 from speculor.config import SamplingConfig
-from speculor.dyspec import DySpecDrafter, DySpecOptions, expected_gain, worth
+from speculor.dyspec import DySpecDrafter, DySpecOptions, expected_gain, steer, worth
 from speculor.errors import SpeculorError
 from speculor.models import LM
 from speculor.sequoia import CostModel
@@ -138,6 +138,22 @@ def test_threshold_sampled_draws_stop_below_t(draft):
         assert d.forwards <= 6
 
 
+def test_steered_threshold(draft):
+    assert steer(0.1, 16, 16) == pytest.approx(0.15) and steer(0.1, 8, 16) == pytest.approx(0.1 / 1.2)
+    assert steer(0.1, 13, 16) == 0.1 and steer(0.4, 16, 16) == 0.5 and steer(1.1e-4, 0, 16) == 1e-4
+    drafter = DySpecDrafter(LM(draft), DySpecOptions("threshold", budget=4, depth=6))
+    ts = []
+    for seed in range(8):
+        ts.append(drafter.t)
+        drafter.reset()
+        tree = drafter.propose([1, 2], T1, torch.Generator().manual_seed(seed))
+        assert len(tree) <= 4 and drafter.stats["threshold"] == ts[-1]
+    assert ts[0] == 0.25 and len(set(ts)) > 1  # it moved
+    fixed = DySpecDrafter(LM(draft), DySpecOptions("threshold", budget=4, threshold=0.01))
+    fixed.propose([1, 2], T1, None)
+    assert fixed.t == 0.01 and not fixed.opts.adaptive
+
+
 # ---------------------------------------------------------------- the auto budget
 
 
@@ -197,7 +213,7 @@ def counts(target: ToyLM, drafter, prompt: list[int], m: int, seed0: int) -> tor
 
 
 @pytest.mark.parametrize(("variant", "options"), [("heap", {"budget": 5, "batch": 2}),
-                                                  ("threshold", {"budget": 8, "threshold": 0.08})])
+                                                  ("threshold", {"budget": 6})])  # steered threshold
 def test_dyspec_follows_the_exact_law(target, draft, variant, options):
     drafter = DySpecDrafter(LM(draft), DySpecOptions(variant, depth=3, **options))
     m = 1500

@@ -19,7 +19,8 @@ siblings are sampled without replacement (SWOR) in draw order, and verification 
     threshold  §5.2 (Alg. 2), layer by layer: one batched draft forward over the nodes of a depth, then their
                draws in decreasing draw value while the value is >= t, capped at `budget` nodes. Draft forwards
                = depth. With t = the last draw value the heap variant takes, and the same budget, both build the
-               same tree (given the same draws).
+               same tree (given the same draws). A binding cap is spent on shallow draws first, so by default t
+               is steered between steps to keep the tree under the cap (`steer`); a given threshold stays fixed.
 At temperature 0 the draws are deterministic (the most likely remaining token; values from softmax(logits)) and
 verification is greedy matching. `budget="auto"` (threshold or heap) grows while this machine's cost model
 (sequoia.CostModel) says a draw or a layer raises the estimated tokens per second, estimated tokens = 1 + Σ v.
@@ -90,6 +91,16 @@ def expected_gain(v: float, r: torch.Tensor) -> float:
     return v * float((r * r).sum()) / m if m > 0 else 0.0
 
 
+def steer(t: float, size: int, cap: int) -> float:
+    """The next step's threshold: up 1.5x when the tree hit the cap, down 1.2x when it used < 3/4 of it, in
+    [1e-4, 0.5]. With a binding cap the threshold variant spends it on shallow draws before deeper, better ones;
+    with t at the heap's last draw value it builds the heap's tree (§5.2). t depends only on earlier steps, so
+    the decision to draw still uses only the past: exact."""
+    if size >= cap:
+        return min(t * 1.5, 0.5)
+    return max(t / 1.2, 1e-4) if size < 0.75 * cap else t
+
+
 def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float, extra_nodes: int = 1,
           extra_draft_s: float = 0.0) -> bool:
     """Does adding `extra_nodes` draft tokens of estimated value `gain` (and `extra_draft_s` of draft forwards)
@@ -109,7 +120,8 @@ def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float
 class DySpecOptions:
     """variant: "threshold" (default: `depth` draft forwards per step) or "heap"; budget: most draft tokens per
     step, or "auto" (at most AUTO_CAP, grown while the machine's cost model says it pays); threshold: smallest
-    draw value drawn (threshold variant; default 1 / budget, the paper's t ≈ 1/n; AUTO_THRESHOLD with auto);
+    draw value drawn (threshold variant), fixed; by default it starts at 1 / budget (the paper's t ≈ 1/n) and is
+    steered between steps so that the cap rarely binds (`steer`; AUTO_THRESHOLD, fixed, with auto);
     depth: most draft tokens on a path; temperature: the draft's sampling temperature (default: the target's;
     the paper fixes 0.6); batch: most rows per lazy draft forward of the heap variant."""
 
@@ -140,9 +152,15 @@ class DySpecOptions:
 
     @property
     def t(self) -> float:
+        """The threshold to start from (fixed unless `adaptive`)."""
         if self.threshold is not None:
             return float(self.threshold)
         return AUTO_THRESHOLD if self.budget == "auto" else 1.0 / self.cap
+
+    @property
+    def adaptive(self) -> bool:
+        """Threshold variant, fixed budget, no threshold given: t is steered between steps (`steer`)."""
+        return self.variant == "threshold" and self.threshold is None and self.budget != "auto"
 
 
 def _is_int(x: object) -> bool:
@@ -227,6 +245,7 @@ class DySpecDrafter:
         self.values: list[float] = []
         self.draw_values: list[float] = []
         self.stats: dict[str, float] = {}
+        self.t = self.opts.t  # the threshold variant's current threshold
 
     @property
     def auto(self) -> bool:
@@ -246,7 +265,9 @@ class DySpecDrafter:
         else:
             self._grow_layers(g, root, cfg, generator)
         self.rows, self.values, self.draw_values = g.rows, g.values, g.draw_values
-        self.stats = {"nodes": len(g), "value_sum": sum(g.values), "fed_rows": len(g.rows)}
+        self.stats = {"nodes": len(g), "value_sum": sum(g.values), "fed_rows": len(g.rows), "threshold": self.t}
+        if self.opts.adaptive:
+            self.t = steer(self.t, len(g), self.opts.cap)
         return g.tree(cfg.greedy)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
@@ -287,7 +308,7 @@ class DySpecDrafter:
         layer = {-1: root}
         while layer:
             new = self._draw_layer(g, layer, cfg, generator)
-            expand = {c: s for c, s in new.items() if s.depth < self.opts.depth and s.v >= self.opts.t}
+            expand = {c: s for c, s in new.items() if s.depth < self.opts.depth and s.v >= self.t}
             if not expand or len(g) >= self.opts.cap or not self._layer_pays(g, expand):
                 return
             self._fetch(g, list(expand), expand, cfg)
@@ -303,7 +324,7 @@ class DySpecDrafter:
         while heap and len(g) < self.opts.cap:
             negv, _, u = heapq.heappop(heap)
             slot = layer[u]
-            if -negv < self.opts.t or not self._draw_pays(g, slot):
+            if -negv < self.t or not self._draw_pays(g, slot):
                 break
             child = g.draw(u, slot, cfg.greedy, generator)
             new[child] = Slot(g.values[child], slot.depth + 1, float(slot.q[g.tokens[child]]))
