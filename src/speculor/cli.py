@@ -1,4 +1,5 @@
-"""Command line: `speculor generate | bench | calibrate | profile | train-head | tune-threshold | fetch-models | serve`.
+"""Command line: `speculor generate | bench | calibrate | profile | train-head | tune-threshold | fetch-models | serve |
+loadtest`.
 argparse lives here only."""
 
 from __future__ import annotations
@@ -102,6 +103,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_tree_args(s)
     _add_specdecpp_args(s)
     _add_model_args(s)
+
+    lt = sub.add_parser("loadtest", help="latency and throughput of a running server at several concurrencies")
+    lt.add_argument("--url", default="http://127.0.0.1:8000")
+    lt.add_argument("--clients", default="1,4,16", help="comma-separated concurrencies, one round each")
+    lt.add_argument("--requests", type=int, default=1, help="requests per client in a round, one after another")
+    lt.add_argument("--max-tokens", type=int, default=32)
+    lt.add_argument("--strategy", default=None, help="the request's speculative strategy (default: the server's)")
+    lt.add_argument("--out", default=None, help="JSON file for the rows")
     return ap
 
 
@@ -128,7 +137,7 @@ def _add_train_head_parser(sub) -> None:
 def _add_tune_threshold_parser(sub) -> None:
     u = sub.add_parser("tune-threshold", help="SpecDec++: pick the stopping threshold h by measured tokens/s")
     u.add_argument("--head", default=None, help="head file (default: the packaged head)")
-    u.add_argument("--grid", default="0.1,0.3,0.5,0.7,0.9", help="comma-separated thresholds to try")
+    u.add_argument("--grid", default="0.5,0.7,0.8,0.9,0.95,0.98", help="comma-separated thresholds to try")
     u.add_argument("--temperatures", default="0,0.7", help="comma-separated; one threshold per temperature")
     u.add_argument("--top-p", type=float, default=1.0)
     u.add_argument("--sets", default="mtbench,humaneval")
@@ -250,6 +259,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
           queue_size=args.queue_size, **_strategy_options(args))
 
 
+def cmd_loadtest(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from speculor import loadtest, prompts
+
+    texts = [p.text for p in prompts.load(["mtbench", "humaneval"], 16)]
+    spec = {"strategy": args.strategy} if args.strategy else None
+    rows = loadtest.run(args.url, texts, [int(c) for c in args.clients.split(",")], requests=args.requests,
+                        max_tokens=args.max_tokens, speculative=spec)
+    print(loadtest.format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from speculor.bench import run
 
@@ -307,7 +330,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate, "profile": cmd_profile,
             "train-head": cmd_train_head, "tune-threshold": cmd_tune_threshold, "fetch-models": cmd_fetch_models,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "loadtest": cmd_loadtest}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,54 @@
+"""Integration group: the greedy output of every speculative strategy on the embedded real pair (Qwen2.5-Coder
+1.5B target, 0.5B draft, fp32 on the CPU) is token-for-token the plain greedy output on 3 MT-Bench + 3 HumanEval
+prompts (32 new tokens, the session's `greedy_cases`), and the draft is accepted often enough to matter."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculor import SamplingConfig, Speculor, engine
+
+pytestmark = pytest.mark.integration
+
+CASES = [  # (strategy, options, least mean tau, most draft tokens per step)
+    ("chain", {"k": 2}, 1.5, 2),
+    ("chain", {"k": 4}, 1.5, 4),
+    ("chain", {"k": 6}, 1.5, 6),
+    ("specinfer", {}, 1.5, None),
+    ("specinfer", {"expansion": "2-1-1-1", "drafters": "draft+ngram"}, 1.5, None),
+    ("ngram", {}, 1.0, None),
+    ("sequoia", {"budget": 16, "depth": 6, "width": 4}, 1.5, 16),
+    ("dyspec", {}, 1.5, None),
+    ("dyspec", {"variant": "heap", "budget": 8}, 1.5, 8),
+    ("topk-tree", {}, 1.5, 16),
+    ("gsd", {}, 1.5, None),
+    ("specdecpp", {}, 1.5, 20),
+]
+
+
+@pytest.mark.parametrize(("strategy", "options", "min_tau", "max_tree"), CASES,
+                         ids=[f"{s}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for s, o, *_ in CASES])
+def test_greedy_identical_to_plain(real_sp: Speculor, greedy_cases: list, strategy: str, options: dict,
+                                   min_tau: float, max_tree: int | None) -> None:
+    cfg = SamplingConfig(max_new_tokens=32)
+    taus, sizes = [], []
+    for pid, ids, plain in greedy_cases:
+        stats = engine.Stats()
+        out = [t.id for t in real_sp.tokens(ids, cfg, strategy=strategy, stats=stats, **options)]
+        assert out == plain, f"{pid}: {strategy} {options} diverged from plain greedy decoding"
+        taus.append(stats.tau)
+        sizes += [s.drafted for s in stats.steps]
+    print(f"\n{strategy} {options}: tau per prompt {[round(t, 2) for t in taus]}, mean {sum(taus) / len(taus):.2f}, "
+          f"mean tree {sum(sizes) / len(sizes):.1f}")
+    assert sum(taus) / len(taus) >= min_tau
+    assert max_tree is None or max(sizes) <= max_tree
+
+
+def test_sampling_is_seeded(real_sp: Speculor, greedy_cases: list) -> None:
+    _, ids, _ = greedy_cases[1]
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=16)
+    for strategy, options in (("chain", {"k": 4}), ("sequoia", {"budget": 12}), ("dyspec", {})):
+        a = real_sp.generate(ids, cfg, strategy=strategy, **options)
+        b = real_sp.generate(ids, cfg, strategy=strategy, **options)
+        assert a.token_ids == b.token_ids, f"{strategy}: a seed must fix the sample"
+        assert len(a.token_ids) == 16 and 1 <= a.tau
