@@ -8,6 +8,7 @@ zeroed so that greedy generations run to max_tokens.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import socket
 import threading
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from speculor import LM, Pair, SamplingConfig, Speculor
+from speculor import LM, Pair, SamplingConfig, Speculor, SpeculorError, loadtest
 from speculor.api import Generation
 from speculor.server import create_app, engine_lock
 
@@ -338,6 +339,24 @@ def test_concurrent_streaming_clients(pair: Pair, client: openai.OpenAI) -> None
         futures = [pool.submit(ask, i) for i in range(n)]
         got = [f.result(timeout=max(1.0, 60 - (time.monotonic() - t0))) for f in futures]
     assert got == expected
+
+
+def test_loadtest_rounds(pair: Pair, url: str) -> None:
+    """`speculor loadtest` against the live server: every answer whole and equal to the library's."""
+    prompts = [f"Load {i}: {t[:12]}" for i, t in enumerate(TEXTS)]
+    rows = loadtest.run(url, prompts, [1, 4], requests=2, max_tokens=12)
+    assert [(r["clients"], r["requests"], r["tokens"]) for r in rows] == [(1, 2, 24), (4, 8, 96)]
+    assert all(r["answers_differing"] == 0 and r["throughput_tokens_per_s"] > 0 for r in rows)
+    assert all(0 < r["ttft_median_s"] <= r["latency_median_s"] <= r["latency_max_s"] for r in rows)
+    one = asyncio.run(_one_stream(url, prompts[0]))
+    assert one.text == reference(pair, [{"role": "user", "content": prompts[0]}], 12).text and one.tokens == 12
+    with pytest.raises(SpeculorError, match="400"):
+        asyncio.run(_one_stream(url, prompts[0], {"strategy": "no-such-strategy"}))
+
+
+async def _one_stream(url: str, prompt: str, speculative: dict | None = None) -> loadtest.Result:
+    async with httpx.AsyncClient(timeout=60) as c:
+        return await loadtest.stream_chat(c, url, prompt, 12, speculative)
 
 
 # ------------------------------------------------------------------------------------- queue and cancel
