@@ -29,21 +29,32 @@ from speculor.peers import PEERS, hf_generate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategies", default="plain,chain",
-                   help="comma-separated; options after colons, e.g. plain,chain:k=2,chain:k=6,hf-assisted")
-    p.add_argument("--sets", default="mtbench,humaneval")
-    p.add_argument("--limit", type=int, default=6, help="number of prompts (spread over sets and categories)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7")
+    p.add_argument("--strategies", default=None, help="comma-separated; options after colons, e.g. "
+                   f"plain,chain:k=2,chain:k=6,hf-assisted (default {DEFAULTS['strategies']})")
+    p.add_argument("--sets", default="mtbench,humaneval", help="mtbench, humaneval, sharegpt")
+    p.add_argument("--limit", type=int, default=None, help="number of prompts, spread over sets and categories "
+                   f"(default {DEFAULTS['limit']})")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"(default {DEFAULTS['max_new_tokens']})")
+    p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,0.7 (default 0)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median wall time is kept")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=None, help="folder for records.jsonl, summary.json, table.md")
-    p.add_argument("--quick", action="store_true", help="the README's main job: every strategy, a few prompts")
+    p.add_argument("--out", default=None, help="folder for records.jsonl, summary.json, table.md and plots")
+    p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the two "
+                   f"transformers peers, {QUICK['limit']} prompts, {QUICK['max_new_tokens']} tokens; flags given "
+                   "explicitly still apply")
 
 
-QUICK = {"strategies": "plain,chain:k=2,chain:k=4,hf-assisted,hf-prompt-lookup", "limit": 4,
-         "max_new_tokens": 48, "temperatures": "0"}
+ALL = "plain,chain:k=4,specinfer,sequoia,ngram,dyspec,topk-tree,gsd,specdecpp"  # every strategy, default options
+DEFAULTS = {"strategies": "plain,chain", "limit": 6, "max_new_tokens": 48, "temperatures": "0"}
+QUICK = {"strategies": ALL + ",hf-assisted,hf-prompt-lookup", "limit": 4, "max_new_tokens": 32, "temperatures": "0"}
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """Options not given on the command line take the --quick values (with --quick) or the defaults."""
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
 
 
 @dataclass(frozen=True)
@@ -122,8 +133,7 @@ def top2_gap(pair: Pair, prompt: list[int], plain: list[int], pos: int) -> float
 
 
 def run(args: argparse.Namespace, load_pair) -> dict[str, Any]:
-    for key, value in (QUICK.items() if args.quick else ()):
-        setattr(args, key, value)
+    fill_defaults(args)
     specs = parse_strategies(args.strategies)
     temps = [float(t) for t in args.temperatures.split(",")]
     prompts = prompt_sets.load(args.sets.split(","), args.limit)

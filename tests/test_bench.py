@@ -1,0 +1,69 @@
+"""`speculor bench` end to end on the tiny random pair of test_server (no downloads): records, summary, table,
+plots, greedy identity against plain decoding, and the divergence report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from test_server import TEXTS, tiny_pair
+
+from speculor import bench
+from speculor.prompts import Prompt
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
+    prompts = [Prompt("mtbench/1", "mtbench", "writing", TEXTS[0], True),
+               Prompt("HumanEval/0", "humaneval", "code", TEXTS[1], False)]
+    monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
+    args = _args("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--temperatures", "0,0.7", "--limit", "2",
+                 "--max-new-tokens", "12", "--out", str(tmp_path))
+    summary = bench.run(args, lambda a: pair)
+    assert list(summary) == ["plain", "chain:k=2", "ngram", "hf-assisted"]  # plain first, always
+    for label, s in summary.items():
+        assert s["greedy_identical"] == 1.0 and s["n_prompts"] == 2 and s["new_tokens"] == 24, label
+        assert set(s["by_temperature"]) == {"0.0", "0.7"} and s["by_temperature"]["0.7"]["greedy_identical"] is None
+    chain = summary["chain:k=2"]
+    assert 1 <= chain["tau"] <= 3 and len(chain["acceptance_by_depth"]) <= 2 and chain["mean_tree_size"] == 2
+    assert summary["plain"]["speedup"] == pytest.approx(1.0) and summary["plain"]["tau"] == 1.0
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 4 and all(r["new_tokens"] == 12 for r in records)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["_run"]["strategies"] == "chain:k=2,plain,ngram,hf-assisted" and "chain:k=2" in saved
+    assert "| chain:k=2 | 0.0 |" in (tmp_path / "table.md").read_text()
+    assert any(p.suffix == ".png" for p in tmp_path.iterdir())
+
+
+def test_quick_fills_only_what_was_not_given() -> None:
+    args = _args("--quick", "--temperatures", "0,0.7")
+    bench.fill_defaults(args)
+    assert args.temperatures == "0,0.7" and args.limit == bench.QUICK["limit"]
+    plain = _args("--limit", "3")
+    bench.fill_defaults(plain)
+    assert plain.limit == 3 and plain.strategies == bench.DEFAULTS["strategies"]
+    names = [s.name for s in bench.parse_strategies(args.strategies)]
+    assert set(bench.ALL.replace(":k=4", "").split(",")) <= set(names)
+
+
+def test_parse_strategies_and_divergence() -> None:
+    specs = bench.parse_strategies("chain:k=2:x=0.5,sequoia:budget=auto")
+    assert [(s.label, s.name, s.options) for s in specs] == [
+        ("plain", "plain", {}), ("chain:k=2:x=0.5", "chain", {"k": 2, "x": 0.5}),
+        ("sequoia:budget=auto", "sequoia", {"budget": "auto"})]
+    with pytest.raises(bench.SpeculorError, match="key=value"):
+        bench.parse_strategies("chain:k")
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
