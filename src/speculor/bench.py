@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 ALL = "plain,chain:k=4,specinfer,sequoia,ngram,dyspec,topk-tree,gsd,specdecpp"  # every strategy, default options
 DEFAULTS = {"strategies": "plain,chain", "limit": 6, "max_new_tokens": 48, "temperatures": "0"}
-QUICK = {"strategies": ALL + ",hf-assisted,hf-prompt-lookup", "limit": 4, "max_new_tokens": 32, "temperatures": "0"}
+QUICK = {"strategies": ALL + ",hf-assisted,hf-prompt-lookup", "limit": 3, "max_new_tokens": 32, "temperatures": "0"}
 
 
 def fill_defaults(args: argparse.Namespace) -> None:

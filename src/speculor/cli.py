@@ -16,6 +16,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
     p.add_argument("--draft", default="default", help="draft model: 'default', a folder, a .gguf file, 'none'")
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--kernels", choices=("fast", "eager"), default="fast",
+                   help="fast: the target's multi-row matmuls through prepacked oneDNN weights and the draft with "
+                   "int8 weights (CPU, fp32); eager: plain nn.Linear for both (what the models do by themselves)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -158,7 +161,8 @@ def load_pair_from_args(args: argparse.Namespace):
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     draft = None if args.draft == "none" else args.draft
-    return load_pair(args.target, draft, device=args.device, dtype=dtype)
+    fast = getattr(args, "kernels", "fast") == "fast"
+    return load_pair(args.target, draft, device=args.device, dtype=dtype, packed=fast, draft_int8=fast)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
