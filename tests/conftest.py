@@ -31,3 +31,30 @@ def greedy_cases(real_sp) -> list[tuple[str, list[int], list[int]]]:
         ids = real_sp.encode(p.text, chat=p.chat)
         out.append((p.id, ids, real_sp.generate(ids, cfg).token_ids))
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny tensors, where threads only add overhead on a shared machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """The toy target of the toy-LM modules (modules with transformers models define their own)."""
+    from toy import random_toy
+
+    return random_toy(6, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    """Close enough to the toy target that runs of 0, 1 and 2 accepted tokens (and bonus tokens) all occur."""
+    from toy import perturbed
+
+    return perturbed(target, seed=1, noise=0.8)

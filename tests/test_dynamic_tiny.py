@@ -18,13 +18,7 @@ from speculor.gsd import GSDDrafter, GSDOptions
 from speculor.topk_tree import TopkOptions, TopkTreeDrafter
 from speculor.tree import path_to
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Checked:

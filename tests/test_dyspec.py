@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from test_engine_toy import goodness_of_fit
-from toy import ToyLM, exact_law, perturbed, plain_greedy, random_toy
+from toy import ToyLM, exact_law, plain_greedy, random_toy
 
 from speculor import engine
 from speculor.config import SamplingConfig
@@ -25,22 +25,7 @@ T1 = SamplingConfig(temperature=1.0)
 GREEDY = SamplingConfig()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target() -> ToyLM:
-    return random_toy(V, seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target) -> ToyLM:
-    return perturbed(target, seed=1, noise=0.8)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def first_order(q: list[list[float]]) -> ToyLM:

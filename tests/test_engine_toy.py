@@ -20,23 +20,7 @@ N = 3  # tokens whose joint law is tested (V**N = 216 cells)
 PROMPT = [1, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead on a shared machine
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target() -> ToyLM:
-    return random_toy(V, seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target: ToyLM) -> ToyLM:
-    # close enough to the target that runs of 0, 1 and 2 accepted tokens (and bonus tokens) all occur
-    return perturbed(target, seed=1, noise=0.8)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def generate(target: ToyLM, draft: ToyLM | None, prompt: list[int], cfg: SamplingConfig, k: int = 2,

@@ -279,12 +279,7 @@ def test_builtin_calibrations_are_sane():
 # ---------------------------------------------------------------- with models: calibration, decoding, profiling
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead on a shared machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

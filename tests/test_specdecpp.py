@@ -34,13 +34,7 @@ from speculor.specdecpp import (
 )
 from speculor.strategies import make_drafter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_head(hidden: int, seed: int = 0, layers: int = 3, scale: float = 1.0) -> AcceptanceHead:

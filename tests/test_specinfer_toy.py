@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from test_engine_toy import goodness_of_fit
-from toy import ToyLM, exact_law, perturbed, plain_greedy, random_toy
+from toy import ToyLM, exact_law, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
@@ -22,22 +22,7 @@ N = 3  # tokens whose joint law is tested (V**N = 216 cells)
 T1 = SamplingConfig(temperature=1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target() -> ToyLM:
-    return random_toy(V, seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target) -> ToyLM:
-    return perturbed(target, seed=1, noise=0.8)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class SworLabelledIid(TreeDrafter):

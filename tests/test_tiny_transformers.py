@@ -21,12 +21,7 @@ CONTEXT = 64
 PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 7, 7, 7], [99, 0, 13, 56, 21, 8, 3, 71, 30]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add overhead on a shared machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_qwen2(seed: int, hidden: int = 32, layers: int = 2, context: int = CONTEXT) -> Qwen2ForCausalLM:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dyspec import CRAFTED, T1, V, counts, first_order
+from test_dyspec import CRAFTED, T1, counts, first_order
 from test_engine_toy import goodness_of_fit
-from toy import ToyLM, exact_law, perturbed, plain_greedy, random_toy
+from toy import exact_law, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
@@ -16,23 +16,7 @@ from speculor.errors import SpeculorError
 from speculor.models import LM
 from speculor.topk_tree import Pool, TopkOptions, TopkTreeDrafter, rank, select
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target() -> ToyLM:
-    return random_toy(V, seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target) -> ToyLM:
-    return perturbed(target, seed=1, noise=0.8)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_rank_breaks_ties_toward_shallower_nodes():

@@ -20,12 +20,7 @@ VOCAB = 64
 PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 8, 7, 8, 7, 8, 7], [9, 0, 13, 56, 21, 8, 3, 13, 56]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add overhead on a shared machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_qwen2(seed: int, hidden: int = 32, layers: int = 2) -> Qwen2ForCausalLM:
