@@ -1,6 +1,8 @@
 """Integration group: the greedy output of every speculative strategy on the embedded real pair (Qwen2.5-Coder
 1.5B target, 0.5B draft, fp32 on the CPU) is token-for-token the plain greedy output on 3 MT-Bench + 3 HumanEval
-prompts (32 new tokens, the session's `greedy_cases`), and the draft is accepted often enough to matter."""
+prompts (32 new tokens, the session's `greedy_cases`; the chains on all six, the other strategies on the first
+three, which keeps CI's time in bounds: `speculor bench` checks every strategy on every prompt of its run), and the
+draft is accepted often enough to matter."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def test_greedy_identical_to_plain(real_sp: Speculor, greedy_cases: list, strate
                                    min_tau: float, max_tree: int | None) -> None:
     cfg = SamplingConfig(max_new_tokens=32)
     taus, sizes = [], []
-    for pid, ids, plain in greedy_cases:
+    for pid, ids, plain in greedy_cases if strategy == "chain" else greedy_cases[:3]:
         stats = engine.Stats()
         out = [t.id for t in real_sp.tokens(ids, cfg, strategy=strategy, stats=stats, **options)]
         assert out == plain, f"{pid}: {strategy} {options} diverged from plain greedy decoding"
