@@ -25,7 +25,7 @@ def draw_all(out: Path, summary: dict[str, Any], records: list[dict[str, Any]]) 
             ax.set_title(f"{ax.get_title()} (T = {temp})")
             fig.tight_layout()
             path = out / f"{name}_{tag}.png"
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=110, bbox_inches="tight")
             plt.close(fig)
             paths.append(path)
     return paths
@@ -41,7 +41,7 @@ def _speedup_by_category(ax, rows: dict, records: list[dict], temp: float) -> No
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20)
     ax.set_ylabel("speedup over plain")
     ax.set_title("Speedup per category")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the axes: never over a bar
 
 
 def _tau(ax, rows: dict, records: list[dict], temp: float) -> None:
@@ -59,7 +59,7 @@ def _acceptance(ax, rows: dict, records: list[dict], temp: float) -> None:
     ax.set_xlabel("depth d")
     ax.set_ylabel("P(accepted length ≥ d)")
     ax.set_title("Acceptance by depth")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the axes: never over a bar
 
 
 def _time_split(ax, rows: dict, records: list[dict], temp: float) -> None:
@@ -71,5 +71,5 @@ def _time_split(ax, rows: dict, records: list[dict], temp: float) -> None:
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_ylabel("share of wall time")
     ax.set_title("Time split")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the axes: never over a bar
     ax.tick_params(axis="x", rotation=20)
