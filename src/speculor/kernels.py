@@ -86,6 +86,11 @@ def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLin
     return count
 
 
+def linear_kinds(model: torch.nn.Module) -> str:
+    """Which matmul kernels a model runs (e.g. 'Int8Linear' after pack_linears): they set its speed."""
+    return ",".join(sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear")}))
+
+
 @contextmanager
 def eager(*models: torch.nn.Module | None) -> Iterator[None]:
     """Run the models with plain nn.Linear arithmetic inside the block."""

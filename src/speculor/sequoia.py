@@ -41,6 +41,7 @@ from speculor import engine
 from speculor.assets import cache_dir
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
+from speculor.kernels import linear_kinds
 from speculor.models import LM, Pair
 from speculor.verify import Verdict
 
@@ -333,12 +334,7 @@ def machine_key(pair: Pair) -> dict[str, str]:
     return {"node": platform.node(), "chip": chip, "threads": str(torch.get_num_threads()),
             "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
             "target": pair.target_name, "draft": pair.draft_name,
-            "kernels": f"{_linear_kinds(lm.model)} / {_linear_kinds(pair.draft.model) if pair.draft else '-'}"}
-
-
-def _linear_kinds(model: torch.nn.Module) -> str:
-    """Which matmul kernels a model runs (e.g. 'Int8Linear' after kernels.pack_linears): they set its speed."""
-    return ",".join(sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear")}))
+            "kernels": f"{linear_kinds(lm.model)} / {linear_kinds(pair.draft.model) if pair.draft else '-'}"}
 
 
 def _cpu_model() -> str:

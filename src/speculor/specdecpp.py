@@ -354,10 +354,9 @@ def build_dataset(pair: Pair, cfg: DataConfig, folder: Path, *, progress: bool =
 
 def draft_kernel(lm: LM) -> str:
     """How the draft's matmuls ran when its hidden states were taken (the head should see the engine's)."""
-    from speculor.kernels import Int8Linear, PackedLinear
+    from speculor.kernels import linear_kinds
 
-    kinds = {type(m).__name__ for m in lm.model.modules() if isinstance(m, (Int8Linear, PackedLinear))}
-    return f"{'+'.join(sorted(kinds)) or 'nn.Linear'} on {lm.device}, {str(lm.dtype).removeprefix('torch.')}"
+    return f"{linear_kinds(lm.model)} on {lm.device}, {str(lm.dtype).removeprefix('torch.')}"
 
 
 def _write_shard(path: Path, rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
