@@ -41,7 +41,7 @@ def _speedup_by_category(ax, rows: dict, records: list[dict], temp: float) -> No
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20)
     ax.set_ylabel("speedup over plain")
     ax.set_title("Speedup per category")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the axes: never over a bar
+    _legend(ax)
 
 
 def _tau(ax, rows: dict, records: list[dict], temp: float) -> None:
@@ -59,7 +59,7 @@ def _acceptance(ax, rows: dict, records: list[dict], temp: float) -> None:
     ax.set_xlabel("depth d")
     ax.set_ylabel("P(accepted length ≥ d)")
     ax.set_title("Acceptance by depth")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the axes: never over a bar
+    _legend(ax)
 
 
 def _time_split(ax, rows: dict, records: list[dict], temp: float) -> None:
@@ -71,5 +71,9 @@ def _time_split(ax, rows: dict, records: list[dict], temp: float) -> None:
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_ylabel("share of wall time")
     ax.set_title("Time split")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the axes: never over a bar
+    _legend(ax)
     ax.tick_params(axis="x", rotation=20)
+
+
+def _legend(ax) -> None:
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the axes: never over a bar
