@@ -4,9 +4,6 @@ streaming clients."""
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
 import openai
 import pytest
 from test_server import live_server
@@ -42,9 +39,4 @@ def test_chat_greedy_equals_library(real_sp: Speculor, url: str) -> None:
 def test_concurrent_streams_equal_library(real_sp: Speculor, url: str) -> None:
     rows = loadtest.run(url, PROMPTS, [1, 4], max_tokens=16)
     assert [r["tokens"] for r in rows] == [16, 64] and all(r["answers_differing"] == 0 for r in rows)
-    expected = library_answer(real_sp, PROMPTS[0], 16)
-    async def one() -> loadtest.Result:
-        async with httpx.AsyncClient(timeout=300) as c:
-            return await loadtest.stream_chat(c, url, PROMPTS[0], 16, None)
-
-    assert asyncio.run(one()).text == expected
+    assert loadtest.ask(url, PROMPTS[0], 16).text == library_answer(real_sp, PROMPTS[0], 16)

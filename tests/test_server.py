@@ -8,7 +8,6 @@ zeroed so that greedy generations run to max_tokens.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import socket
 import threading
@@ -348,15 +347,10 @@ def test_loadtest_rounds(pair: Pair, url: str) -> None:
     assert [(r["clients"], r["requests"], r["tokens"]) for r in rows] == [(1, 2, 24), (4, 8, 96)]
     assert all(r["answers_differing"] == 0 and r["throughput_tokens_per_s"] > 0 for r in rows)
     assert all(0 < r["ttft_median_s"] <= r["latency_median_s"] <= r["latency_max_s"] for r in rows)
-    one = asyncio.run(_one_stream(url, prompts[0]))
+    one = loadtest.ask(url, prompts[0], 12, timeout=60)
     assert one.text == reference(pair, [{"role": "user", "content": prompts[0]}], 12).text and one.tokens == 12
     with pytest.raises(SpeculorError, match="400"):
-        asyncio.run(_one_stream(url, prompts[0], {"strategy": "no-such-strategy"}))
-
-
-async def _one_stream(url: str, prompt: str, speculative: dict | None = None) -> loadtest.Result:
-    async with httpx.AsyncClient(timeout=60) as c:
-        return await loadtest.stream_chat(c, url, prompt, 12, speculative)
+        loadtest.ask(url, prompts[0], 12, {"strategy": "no-such-strategy"}, timeout=60)
 
 
 # ------------------------------------------------------------------------------------- queue and cancel

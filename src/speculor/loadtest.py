@@ -57,16 +57,28 @@ async def stream_chat(client: httpx.AsyncClient, url: str, prompt: str, max_toke
                   usage.get("tau"), "".join(parts))
 
 
+def ask(url: str, prompt: str, max_tokens: int, speculative: dict[str, Any] | None = None,
+        timeout: float = 300.0) -> Result:
+    """One streaming chat completion from synchronous code."""
+    async def one() -> Result:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await stream_chat(client, url, prompt, max_tokens, speculative)
+
+    return asyncio.run(one())
+
+
 async def _round(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-                 speculative: dict[str, Any] | None, timeout: float) -> tuple[list[Result], float]:
+                 speculative: dict[str, Any] | None,
+                 timeout: float) -> tuple[list[tuple[str, Result]], float]:
+    """(prompt, result) of every request of a round, client by client, and the round's wall time."""
     async with httpx.AsyncClient(timeout=timeout) as client:
-        async def one_client(c: int) -> list[Result]:
-            return [await stream_chat(client, url, prompts[(c * requests + r) % len(prompts)], max_tokens,
-                                      speculative) for r in range(requests)]
+        async def one_client(c: int) -> list[tuple[str, Result]]:
+            asked = [prompts[(c * requests + r) % len(prompts)] for r in range(requests)]
+            return [(p, await stream_chat(client, url, p, max_tokens, speculative)) for p in asked]
 
         t0 = time.perf_counter()
         per_client = await asyncio.gather(*(one_client(c) for c in range(clients)))
-        return [r for rs in per_client for r in rs], time.perf_counter() - t0
+        return [pr for prs in per_client for pr in prs], time.perf_counter() - t0
 
 
 def summarize(results: list[Result], wall: float, clients: int) -> dict[str, Any]:
@@ -89,12 +101,9 @@ def run(url: str, prompts: list[str], concurrencies: list[int], *, requests: int
     reference: dict[str, str] = {}
     rows = []
     for c in concurrencies:
-        results, wall = asyncio.run(_round(url, prompts, c, requests, max_tokens, speculative, timeout))
-        order = [prompts[i % len(prompts)] for i in range(c * requests)]
-        mismatches = 0
-        for prompt, r in zip(order, results, strict=True):
-            mismatches += reference.setdefault(prompt, r.text) != r.text
-        rows.append(summarize(results, wall, c) | {"answers_differing": mismatches})
+        answers, wall = asyncio.run(_round(url, prompts, c, requests, max_tokens, speculative, timeout))
+        mismatches = sum(reference.setdefault(prompt, r.text) != r.text for prompt, r in answers)
+        rows.append(summarize([r for _, r in answers], wall, c) | {"answers_differing": mismatches})
     return rows
 
 
