@@ -8,9 +8,11 @@ oneDNN copy for blocks; `pack_linears(model)` swaps every nn.Linear of a CPU fp3
 model's parameters are untouched (the oneDNN copy is extra memory: about the size of the weights).
 
 The draft only proposes: any draft is lossless because q is whatever it computed. `Int8Linear` runs
-it with per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) and bf16 activations through
-`aten._weight_int8pack_mm`, which reads 4x fewer bytes than fp32: the 0.5B draft goes from ~120 to
-~47 ms per token here, and 8-row blocks from ~260 to ~130 ms.
+it with per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) through fbgemm's dynamically
+quantized GEMM (activations quantized per call to 7-bit unsigned ints, prepacked weights), which reads
+4x fewer bytes than fp32 and has AVX2 int8 kernels: on the project CPU a 896->4864 draft matrix takes
+0.27 / 0.65 / 1.1 ms for 1 / 4 / 8 rows against 0.84 / 1.3 / 2.5 ms with `aten._weight_int8pack_mm`
+(bf16 activations, the fallback where no fbgemm/x86 quantized engine exists) and ~4x that in fp32.
 
 Both keep the original fp32 weight, so `eager(model)` can switch a model back to plain nn.Linear
 arithmetic (used to run transformers' own generate as a peer with the models as the user gave them).
@@ -45,7 +47,7 @@ class PackedLinear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """y ≈ x (s·W8)ᵀ + b with int8 W8 [out, in], bf16 scales s [out] and bf16 activations (a draft-only kernel)."""
+    """y ≈ x (s·W8)ᵀ + b with int8 W8 [out, in] and per-row scales s [out] (a draft-only kernel)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -55,16 +57,27 @@ class Int8Linear(torch.nn.Module):
         with torch.no_grad():
             w = linear.weight.detach().float()
             s = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-            self.register_buffer("w8", torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8), persistent=False)
-            self.register_buffer("scales", s.to(torch.bfloat16), persistent=False)
+            w8 = torch.round(w / s[:, None]).clamp(-127, 127)
+            self.fbgemm = torch.backends.quantized.engine in ("x86", "fbgemm")
+            if self.fbgemm:
+                qw = torch._make_per_channel_quantized_tensor(w8.to(torch.int8), s.double(),
+                                                              torch.zeros_like(s, dtype=torch.long), 0)
+                bias = None if linear.bias is None else linear.bias.detach().float()
+                self.packed = torch.ops.quantized.linear_prepack(qw, bias)
+            else:
+                self.register_buffer("w8", w8.to(torch.int8), persistent=False)
+                self.register_buffer("scales", s.to(torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.w8,
-                                               self.scales).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        x2 = x.reshape(-1, self.in_features)
+        if self.fbgemm:  # reduce_range: 7-bit activations, so AVX2's int16 pair sums cannot saturate
+            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.w8, self.scales).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -88,7 +101,8 @@ def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLin
 
 def linear_kinds(model: torch.nn.Module) -> str:
     """Which matmul kernels a model runs (e.g. 'Int8Linear' after pack_linears): they set its speed."""
-    return ",".join(sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear")}))
+    return ",".join(sorted({type(m).__name__ + ("(fbgemm)" if getattr(m, "fbgemm", False) else "")
+                            for m in model.modules() if type(m).__name__.endswith("Linear")}))
 
 
 @contextmanager
