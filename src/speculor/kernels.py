@@ -1,11 +1,15 @@
-"""Faster CPU matmuls: prepacked fp32 blocks for the target, int8 weights for the draft.
+"""Faster CPU matmuls: the best fp32 kernel per block size for the target, int8 weights for the draft.
 
-On the project's CPUs a Linear over one row takes a fast matrix-vector path, but 2+ rows take a GEMM
-path about 7x slower (nn.Linear 1536->8960: 1 row 2.6 ms, 2 rows 22 ms, 8 rows 30 ms), which makes
-verifying a tree cost several single-token steps. oneDNN with the weight reordered once into its own
-layout takes 8-9 ms for 2-8 rows. `PackedLinear` keeps the original weight for the one-row path and a
-oneDNN copy for blocks; `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for one. The
-model's parameters are untouched (the oneDNN copy is extra memory: about the size of the weights).
+A Linear's cost on the project CPU depends on the kernel far more than on the number of rows, and no one
+kernel is best everywhere. Measured per matrix (ms; 8 distinct 1536->8960 weights in turn, so no cache
+help; 1 / 2 / 5 / 8 / 16 rows): nn.Linear (MKL) 4.5 / 9.2 / 20.7 / 26.3 / 27.5; oneDNN with the weight
+reordered once into its layout 2.8 / 5.9 / 7.5 / 8.6 / 11.8; MKL with the weight as the left operand,
+W·xᵀ (its tall-skinny GEMM) 4.7 / 4.3 / 5.3 / 6.8 / 13.3. The lm_head (1536->151936) alike: 1 row 80 / 46 /
+80, 5 rows 388 / 118 / 84. `PackedLinear` therefore runs one row (a plain decoding step) and more than
+`SKINNY_ROWS` rows (a prefill, a big tree) through oneDNN, and 2..SKINNY_ROWS rows (a chain or small tree
+to verify) as (W·xᵀ)ᵀ. `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for one; all three
+are fp32 arithmetic of the same weights, equal up to summation order. The model's parameters are untouched
+(the oneDNN copy is extra memory: about the size of the weights).
 
 The draft only proposes: any draft is lossless because q is whatever it computed. `Int8Linear` runs
 it with per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) through fbgemm's dynamically
@@ -20,29 +24,38 @@ arithmetic (used to run transformers' own generate as a peer with the models as 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+SKINNY_ROWS = 8  # blocks of 2..8 rows: MKL's W·xᵀ beats oneDNN here (table above); 12+ rows: oneDNN
+
 
 class PackedLinear(torch.nn.Module):
-    """y = x Wᵀ + b: F.linear for one row, oneDNN's prepacked GEMM for several."""
+    """y = x Wᵀ + b: oneDNN's prepacked GEMM for 1 row and for more than SKINNY_ROWS, (W xᵀ)ᵀ in between."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters, shared
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.enabled = True
+        self.kernel = f"onednn, mkl 2-{SKINNY_ROWS} rows"
         with torch.no_grad():
             self.packed = linear.weight.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows <= 1 or not self.enabled or torch.is_grad_enabled():
+        if not self.enabled or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        x2 = x.reshape(-1, self.in_features)
+        if 2 <= len(x2) <= SKINNY_ROWS:
+            y = torch.mm(self.weight, x2.t()).t().contiguous()
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -58,13 +71,10 @@ class Int8Linear(torch.nn.Module):
             w = linear.weight.detach().float()
             s = w.abs().amax(dim=1).clamp(min=1e-12) / 127
             w8 = torch.round(w / s[:, None]).clamp(-127, 127)
-            self.fbgemm = torch.backends.quantized.engine in ("x86", "fbgemm")
-            if self.fbgemm:
-                qw = torch._make_per_channel_quantized_tensor(w8.to(torch.int8), s.double(),
-                                                              torch.zeros_like(s, dtype=torch.long), 0)
-                bias = None if linear.bias is None else linear.bias.detach().float()
-                self.packed = torch.ops.quantized.linear_prepack(qw, bias)
-            else:
+            self.packed = _fbgemm_pack(w8.to(torch.int8), s, linear.bias)
+            self.fbgemm = self.packed is not None
+            self.kernel = "fbgemm" if self.fbgemm else "int8pack"
+            if not self.fbgemm:
                 self.register_buffer("w8", w8.to(torch.int8), persistent=False)
                 self.register_buffer("scales", s.to(torch.bfloat16), persistent=False)
 
@@ -79,6 +89,21 @@ class Int8Linear(torch.nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _fbgemm_pack(w8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """fbgemm's prepacked int8 weight, or None where this torch has no x86/fbgemm quantized engine (the
+    quantized-tensor API is deprecated in torch; when it goes, the draft falls back to int8pack)."""
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the deprecation notice of quantized tensors
+            zero_points = torch.zeros(len(w8), dtype=torch.long)
+            qw = torch._make_per_channel_quantized_tensor(w8, scales.double(), zero_points, 0)
+            return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def can_pack(model: torch.nn.Module) -> bool:
@@ -101,7 +126,7 @@ def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLin
 
 def linear_kinds(model: torch.nn.Module) -> str:
     """Which matmul kernels a model runs (e.g. 'Int8Linear' after pack_linears): they set its speed."""
-    return ",".join(sorted({type(m).__name__ + ("(fbgemm)" if getattr(m, "fbgemm", False) else "")
+    return ",".join(sorted({type(m).__name__ + (f"[{m.kernel}]" if hasattr(m, "kernel") else "")
                             for m in model.modules() if type(m).__name__.endswith("Linear")}))
 
 
