@@ -37,12 +37,13 @@ SKINNY_ROWS = 8  # blocks of 2..8 rows: MKL's W·xᵀ beats oneDNN here (table a
 class PackedLinear(torch.nn.Module):
     """y = x Wᵀ + b: oneDNN's prepacked GEMM for 1 row and for more than SKINNY_ROWS, (W xᵀ)ᵀ in between."""
 
+    kernel = f"onednn, mkl 2-{SKINNY_ROWS} rows"
+
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters, shared
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.enabled = True
-        self.kernel = f"onednn, mkl 2-{SKINNY_ROWS} rows"
         with torch.no_grad():
             self.packed = linear.weight.detach().to_mkldnn()
 
@@ -71,10 +72,9 @@ class Int8Linear(torch.nn.Module):
             w = linear.weight.detach().float()
             s = w.abs().amax(dim=1).clamp(min=1e-12) / 127
             w8 = torch.round(w / s[:, None]).clamp(-127, 127)
-            self.packed = _fbgemm_pack(w8.to(torch.int8), s, linear.bias)
-            self.fbgemm = self.packed is not None
-            self.kernel = "fbgemm" if self.fbgemm else "int8pack"
-            if not self.fbgemm:
+            self.packed = _fbgemm_pack(w8.to(torch.int8), s, linear.bias)  # None: no fbgemm here
+            self.kernel = "int8pack" if self.packed is None else "fbgemm"
+            if self.packed is None:
                 self.register_buffer("w8", w8.to(torch.int8), persistent=False)
                 self.register_buffer("scales", s.to(torch.bfloat16), persistent=False)
 
@@ -82,7 +82,7 @@ class Int8Linear(torch.nn.Module):
         if not self.enabled or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
-        if self.fbgemm:  # reduce_range: 7-bit activations, so AVX2's int16 pair sums cannot saturate
+        if self.packed is not None:  # reduce_range: 7-bit activations, so AVX2's int16 pair sums cannot saturate
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.w8, self.scales).to(x.dtype)
@@ -125,7 +125,7 @@ def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLin
 
 
 def linear_kinds(model: torch.nn.Module) -> str:
-    """Which matmul kernels a model runs (e.g. 'Int8Linear' after pack_linears): they set its speed."""
+    """Which matmul kernels a model runs (e.g. 'Int8Linear[fbgemm]' after pack_linears): they set its speed."""
     return ",".join(sorted({type(m).__name__ + (f"[{m.kernel}]" if hasattr(m, "kernel") else "")
                             for m in model.modules() if type(m).__name__.endswith("Linear")}))
 
