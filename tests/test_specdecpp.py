@@ -300,7 +300,7 @@ def test_sequence_features_use_the_mixed_sequence(tiny_pair):
 
 
 @pytest.mark.parametrize("committed", [0, 4])
-def test_forward_last_is_lm_forward_with_the_last_logits_only(tiny_pair, committed):
+def test_lm_forward_last_gives_the_last_logits_only(tiny_pair, committed):
     lm, ref = tiny_pair.draft, LM(tiny_pair.draft.model)
     prefix, block = [9, 8, 7, 6], [5, 17, 33, 2, 61]
     for m in (lm, ref):
@@ -308,9 +308,10 @@ def test_forward_last_is_lm_forward_with_the_last_logits_only(tiny_pair, committ
         if committed:
             m.forward(prefix[:committed])
             m.commit(list(range(committed)))
-    logits, hidden = specdecpp.forward_last(lm, block)
+    logits, hidden = lm.forward(block, hidden=True, last=True)
     want_logits, want_hidden = ref.forward(block, hidden=True)
-    assert torch.equal(hidden, want_hidden) and torch.allclose(logits, want_logits[-1], atol=1e-5)
+    assert logits.shape == (1, want_logits.shape[-1])
+    assert torch.equal(hidden, want_hidden) and torch.allclose(logits, want_logits[-1:], atol=1e-5)
     lm.commit(list(range(len(block))))
     assert lm.length == committed + len(block) and lm.cache.get_seq_length() == lm.length
     lm.reset()

@@ -43,7 +43,7 @@ def catch_up(lm: LM, seq: list[int]) -> torch.Tensor:
     """Feed the committed tokens the draft cache lacks (always at least the root); logits of the root."""
     lm.truncate(len(seq) - 1)
     pending = seq[lm.length:]
-    logits = lm.forward(pending)[-1]
+    logits = lm.forward(pending, last=True)[-1]
     lm.commit(list(range(len(pending))))
     return logits
 

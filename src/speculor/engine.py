@@ -77,7 +77,7 @@ def stream(target: LM, drafter: Drafter | None, prompt: list[int], cfg: Sampling
     if drafter is not None:
         drafter.reset()
     if len(seq) > 1:  # the cache holds everything but the root, seq[-1]
-        target.forward(seq[:-1])
+        target.forward(seq[:-1], last=True)  # its logits are not needed: the first step scores the root
         target.commit(list(range(len(seq) - 1)))
     stats.prefill_s = time.perf_counter() - t0
     produced = 0

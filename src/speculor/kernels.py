@@ -1,15 +1,16 @@
 """Faster CPU matmuls: the best fp32 kernel per block size for the target, int8 weights for the draft.
 
-A Linear's cost on the project CPU depends on the kernel far more than on the number of rows, and no one
-kernel is best everywhere. Measured per matrix (ms; 8 distinct 1536->8960 weights in turn, so no cache
-help; 1 / 2 / 5 / 8 / 16 rows): nn.Linear (MKL) 4.5 / 9.2 / 20.7 / 26.3 / 27.5; oneDNN with the weight
-reordered once into its layout 2.8 / 5.9 / 7.5 / 8.6 / 11.8; MKL with the weight as the left operand,
-W·xᵀ (its tall-skinny GEMM) 4.7 / 4.3 / 5.3 / 6.8 / 13.3. The lm_head (1536->151936) alike: 1 row 80 / 46 /
-80, 5 rows 388 / 118 / 84. `PackedLinear` therefore runs one row (a plain decoding step) and more than
-`SKINNY_ROWS` rows (a prefill, a big tree) through oneDNN, and 2..SKINNY_ROWS rows (a chain or small tree
-to verify) as (W·xᵀ)ᵀ. `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for one; all three
-are fp32 arithmetic of the same weights, equal up to summation order. The model's parameters are untouched
-(the oneDNN copy is extra memory: about the size of the weights).
+A Linear's cost on the project CPU depends on the kernel far more than on the number of rows. Measured per
+matrix (ms; 8 distinct 1536->8960 weights in turn, so no cache help; 1 / 2 / 5 / 8 / 16 / 100 rows):
+nn.Linear (MKL) 4.5 / 9.2 / 20.7 / 26.3 / 27.5; MKL as W·xᵀ (its tall-skinny GEMM) 3.8 / 3.7 / 4.5 / 6.0 /
+13; oneDNN with W reordered once for batch size 1 (= `to_mkldnn`) 2.4 / 5.3 / 6.9 / 8.0 / 10.3 / 39;
+oneDNN with W reordered for batch size 16: 2.8 / 3.1 / 3.8 / 5.0 / 8.0 / 38 (for 2, 4 or 8 alike). One
+row at 2.4 ms reads the 55 MB at the machine's ~20 GB/s. `PackedLinear` therefore keeps both oneDNN
+copies: one row (a plain decoding step) through the first, any other block (a chain or tree to verify,
+a prefill) through the second. `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for one;
+both are fp32 arithmetic of the same weights, equal up to summation order. The model's parameters are
+untouched (the two copies are extra memory, twice the weights; the safetensors-mapped originals stay
+file-backed pages the OS may drop).
 
 The draft only proposes: any draft is lossless because q is whatever it computed. `Int8Linear` runs
 it with per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) through fbgemm's dynamically
@@ -31,13 +32,13 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-SKINNY_ROWS = 8  # blocks of 2..8 rows: MKL's W·xᵀ beats oneDNN here (table above); 12+ rows: oneDNN
+MANY_ROWS = 16  # the batch size oneDNN lays the multi-row copy out for; it serves 2..128 rows alike (table above)
 
 
 class PackedLinear(torch.nn.Module):
-    """y = x Wᵀ + b: oneDNN's prepacked GEMM for 1 row and for more than SKINNY_ROWS, (W xᵀ)ᵀ in between."""
+    """y = x Wᵀ + b through oneDNN's prepacked GEMM: one copy of W laid out for one row, one for many."""
 
-    kernel = f"onednn, mkl 2-{SKINNY_ROWS} rows"
+    kernel = f"onednn 1 + {MANY_ROWS} rows"
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -45,18 +46,16 @@ class PackedLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.enabled = True
         with torch.no_grad():
-            self.packed = linear.weight.detach().to_mkldnn()
+            w = linear.weight.detach()
+            self.one = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            self.many = torch.ops.mkldnn._reorder_linear_weight(w, MANY_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(-1, self.in_features)
-        if 2 <= len(x2) <= SKINNY_ROWS:
-            y = torch.mm(self.weight, x2.t()).t().contiguous()
-            if self.bias is not None:
-                y = y + self.bias
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        packed = self.one if len(x2) == 1 else self.many
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -42,8 +42,10 @@ class LM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor | list[int], parents: torch.Tensor | None = None,
-                hidden: bool = False, *, append: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, V] (fp32) for a block of n tokens after the committed cache.
+                hidden: bool = False, *, append: bool = False,
+                last: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, V] (fp32) for a block of n tokens after the committed cache ([1, V], the last row's,
+        with last=True: the vocabulary projection, 1/7 of the target's flops, is then made for one row).
 
         The block's rows become pending entries b..b+n-1 of the pending region, where b = 0 (the region is
         emptied first) unless append=True (b = entries already pending). parents[i] is the region index of
@@ -65,6 +67,7 @@ class LM:
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
+            logits_to_keep=1 if last else 0,
         )
         self.pending = region
         logits = _fit_vocab(out.logits[0].float(), self.vocab_size)

@@ -43,8 +43,8 @@ from speculor.assets import cache_dir
 from speculor.config import SamplingConfig
 from speculor.drafters import catch_up, draw
 from speculor.errors import SpeculorError
-from speculor.models import LM, Pair, _fit_vocab
-from speculor.tree import DraftTree, attention_mask, position_ids
+from speculor.models import LM, Pair
+from speculor.tree import DraftTree
 from speculor.verify import Verdict
 
 logger = logging.getLogger(__name__)
@@ -248,28 +248,10 @@ def mix(x: torch.Tensor, y: torch.Tensor, r: float, generator: torch.Generator |
     return torch.where(from_y, y, x), from_y
 
 
-@torch.inference_mode()
-def forward_last(lm: LM, tokens: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [V] of the last row, last hidden states [n, H]) of a chain block after lm's committed cache.
-
-    The computation of `LM.forward(tokens, hidden=True)` (same mask, positions, cache and kernels), but the
-    vocabulary projection is made for the last row only (transformers' logits_to_keep=1): the prompt prefill
-    and the second draft pass need no other row's logits. The rows stay pending, as after `LM.forward`.
-    """
-    lm.truncate(lm.length)
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
-    region = torch.arange(-1, len(tokens) - 1)
-    out = lm.model(input_ids=tokens[None].to(lm.device), position_ids=position_ids(region, lm.length).to(lm.device),
-                   attention_mask=attention_mask(region, lm.length, lm.dtype).to(lm.device),
-                   past_key_values=lm.cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    lm.pending = region
-    return _fit_vocab(out.logits[0, -1].float(), lm.vocab_size), out.hidden_states[-1][0]
-
-
 def teacher_logits(lm: LM, prompt: list[int], x: list[int]) -> torch.Tensor:
     """Logits [len(x), V] predicting X_0..X_{n-1} on prompt + X_<i; the prompt stays committed in lm's cache."""
     lm.reset()
-    first = forward_last(lm, prompt)[0][None]
+    first = lm.forward(prompt, last=True)
     lm.commit(list(range(len(prompt))))
     return torch.cat([first, lm.forward(x[:-1])]) if len(x) > 1 else first
 
@@ -290,7 +272,7 @@ def sequence_features(pair: Pair, prompt: list[int], x: list[int], cfg: DataConf
     y = torch.multinomial(q_t, 1, generator=generator)[:, 0]
     labels = soft_labels(p_logits, q_logits, y)
     z, from_y = mix(torch.tensor(x), y, cfg.mixing_ratio, generator)
-    _, hidden = forward_last(pair.draft, z)  # after the committed prompt
+    _, hidden = pair.draft.forward(z, hidden=True, last=True)  # after the committed prompt
     pair.draft.reset()
     return hidden[from_y].float(), labels[from_y]
 
