@@ -37,6 +37,8 @@ def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
         assert set(s["by_temperature"]) == {"0.0", "0.7"} and s["by_temperature"]["0.7"]["greedy_identical"] is None
     chain = summary["chain:k=2"]
     assert 1 <= chain["tau"] <= 3 and len(chain["acceptance_by_depth"]) <= 2 and chain["mean_tree_size"] == 2
+    assert chain["draft_forwards_per_step"] == 2 and chain["decode_speedup"] > 0
+    assert summary["plain"]["decode_speedup"] == pytest.approx(1.0) and summary["hf-assisted"]["decode_speedup"] is None
     assert summary["plain"]["speedup"] == pytest.approx(1.0) and summary["plain"]["tau"] == 1.0
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 2 * 4 and all(r["new_tokens"] == 12 for r in records)

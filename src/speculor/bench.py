@@ -219,12 +219,18 @@ def _aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: flo
                                                 if temp == 0 and rows else None)}
     steps = [a for r in rows if r.get("accepted") is not None for a in r["accepted"]]
     agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
+    # decode only: the prompt's prefill (the same target forward for every strategy) taken out of the wall time
+    decode = sum(r["wall_s"] - r.get("prefill_s", 0.0) for r in rows)
+    base_decode = sum(r["wall_s"] - r.get("prefill_s", 0.0) for r in base)
+    agg["decode_speedup"] = ((tokens / decode) / (sum(r["new_tokens"] for r in base) / base_decode)
+                             if decode > 0 and base_decode > 0 and all("prefill_s" in r for r in rows) else None)
     agg["speedup_by_category"] = _by_category(rows, base)
     agg["drafter_stats"] = sum_stats([r.get("drafter_stats") for r in rows])
     if steps:
         depth = max(steps)
         agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]
         agg["mean_tree_size"] = statistics.mean(d for r in rows for d in r["drafted"])
+        agg["draft_forwards_per_step"] = sum(r["draft_forwards"] for r in rows) / len(steps)
         agg["time_split"] = {k: sum(r[k] for r in rows) / wall for k in ("prefill_s", "draft_s", "verify_s",
                                                                        "overhead_s")}
     return agg
@@ -243,17 +249,22 @@ def _by_category(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    head = "| strategy | T | tau | tokens/s | speedup | greedy identical | draft / verify / other |"
-    lines = [head, "|" + "---|" * 7]
+    """Markdown: per strategy and temperature τ, tree size, draft forwards per step, speed, identity, time split."""
+    head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | speedup | decode speedup | greedy identical "
+            "| prefill / draft / verify / other |")
+    lines = [head, "|" + "---|" * 10]
     for label, s in summary.items():
         for temp, a in s["by_temperature"].items():
-            tau = f"{a['tau']:.2f}" if a["tau"] else "-"
+            def num(key: str, fmt: str = ".2f", unit: str = "", a=a) -> str:
+                return "-" if a.get(key) is None else format(a[key], fmt) + unit
             ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
             split = a.get("time_split")
-            split_s = "-" if not split else (f"{split['draft_s']:.0%} / {split['verify_s']:.0%} / "
-                                             f"{1 - split['draft_s'] - split['verify_s']:.0%}")
-            lines.append(f"| {label} | {temp} | {tau} | {a['tokens_per_s']:.2f} | {a['speedup']:.2f}x | {ident} "
-                         f"| {split_s} |")
+            parts = ("prefill_s", "draft_s", "verify_s")
+            split_s = "-" if not split else " / ".join(
+                [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
+            lines.append(f"| {label} | {temp} | {num('tau')} | {num('mean_tree_size', '.1f')} "
+                         f"| {num('draft_forwards_per_step', '.1f')} | {a['tokens_per_s']:.2f} "
+                         f"| {num('speedup', unit='x')} | {num('decode_speedup', unit='x')} | {ident} | {split_s} |")
     return "\n".join(lines)
 
 
