@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from test_server import TEXTS, tiny_pair
 
 from speculor import bench
@@ -39,6 +41,8 @@ def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
     assert 1 <= chain["tau"] <= 3 and len(chain["acceptance_by_depth"]) <= 2 and chain["mean_tree_size"] == 2
     assert chain["draft_forwards_per_step"] == 2 and chain["decode_speedup"] > 0
     assert summary["plain"]["decode_speedup"] == pytest.approx(1.0) and summary["hf-assisted"]["decode_speedup"] is None
+    if Path("/proc/self/status").exists():  # Linux: the process's peak resident set
+        assert all(s["peak_memory_gib"] > 0.01 for s in summary.values())
     assert summary["plain"]["speedup"] == pytest.approx(1.0) and summary["plain"]["tau"] == 1.0
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 2 * 4 and all(r["new_tokens"] == 12 for r in records)
@@ -71,3 +75,16 @@ def test_parse_strategies_and_divergence() -> None:
     assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+def test_peak_memory_sees_a_new_allocation_after_a_reset() -> None:
+    cpu = torch.device("cpu")
+    bench.reset_peak_memory(cpu)
+    before = bench.peak_memory_gib(cpu)
+    block = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+    after = bench.peak_memory_gib(cpu)
+    assert before is not None and after - before > 0.2 and float(block[-1]) == 1.0
+    del block
+    bench.reset_peak_memory(cpu)
+    assert bench.peak_memory_gib(cpu) < after - 0.2  # the reset starts a new high-water mark

@@ -180,11 +180,39 @@ def _warm_up(sp: Speculor, specs: list[Spec], ids: list[int]) -> None:
 
 
 def _measure(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig, repeats: int) -> dict[str, Any]:
+    device = sp.pair.target.device
+    reset_peak_memory(device)
     runs = [run_one(sp, spec, ids, cfg) for _ in range(max(repeats, 1))]
     rec = runs[0]
     rec["wall_s"] = statistics.median(r["wall_s"] for r in runs)
     rec["wall_s_all"] = [r["wall_s"] for r in runs]
+    rec["peak_memory_gib"] = peak_memory_gib(device)
     return rec
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new high-water mark: CUDA's allocator statistics, or on Linux the process's peak resident set
+    (writing 5 to /proc/self/clear_refs resets VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """GiB at the high-water mark since `reset_peak_memory`: tensors allocated on a GPU, or the process's
+    resident set on a CPU (the models included); None where the OS does not say."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    line = next((ln for ln in status.splitlines() if ln.startswith("VmHWM:")), None)
+    return int(line.split()[1]) / 2**20 if line else None
 
 
 def _check_identity(rec: dict[str, Any], pair: Pair, ids: list[int], plain_ids: list[int] | None) -> None:
@@ -225,6 +253,8 @@ def _aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: flo
     agg["decode_speedup"] = ((tokens / decode) / (sum(r["new_tokens"] for r in base) / base_decode)
                              if decode > 0 and base_decode > 0 and all("prefill_s" in r for r in rows) else None)
     agg["speedup_by_category"] = _by_category(rows, base)
+    peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
+    agg["peak_memory_gib"] = max(peaks) if peaks else None
     agg["drafter_stats"] = sum_stats([r.get("drafter_stats") for r in rows])
     if steps:
         depth = max(steps)
@@ -249,10 +279,11 @@ def _by_category(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    """Markdown: per strategy and temperature τ, tree size, draft forwards per step, speed, identity, time split."""
+    """Markdown: per strategy and temperature τ, tree size, draft forwards per step, speed, identity, time split
+    and peak memory."""
     head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | speedup | decode speedup | greedy identical "
-            "| prefill / draft / verify / other |")
-    lines = [head, "|" + "---|" * 10]
+            "| prefill / draft / verify / other | peak GiB |")
+    lines = [head, "|" + "---|" * 11]
     for label, s in summary.items():
         for temp, a in s["by_temperature"].items():
             def num(key: str, fmt: str = ".2f", unit: str = "", a=a) -> str:
@@ -264,7 +295,8 @@ def format_table(summary: dict[str, Any]) -> str:
                 [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
             lines.append(f"| {label} | {temp} | {num('tau')} | {num('mean_tree_size', '.1f')} "
                          f"| {num('draft_forwards_per_step', '.1f')} | {a['tokens_per_s']:.2f} "
-                         f"| {num('speedup', unit='x')} | {num('decode_speedup', unit='x')} | {ident} | {split_s} |")
+                         f"| {num('speedup', unit='x')} | {num('decode_speedup', unit='x')} | {ident} | {split_s} "
+                         f"| {num('peak_memory_gib', '.1f')} |")
     return "\n".join(lines)
 
 
