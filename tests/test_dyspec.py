@@ -61,7 +61,7 @@ def test_heap_values_and_order_on_a_crafted_draft():
     """Alg. 1 by hand (root token 0, greedy draws = the most likely remaining token):
     pop 1.0 root -> 1 (v .55) | pop .55 n0 -> 0 (v .2475) | pop .45 root -> 2 (v .35) | pop .35 n2 -> 3 (v .14)
     | pop .3025 n0 -> 2 (v .22) | pop .2475 n1 -> 1 (v .136125)."""
-    tree, d = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6, batch=1)
+    tree, d = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6, batch=1, temperature=1.0)
     assert tree.tokens.tolist() == [1, 0, 2, 3, 2, 1]
     assert tree.parents.tolist() == [-1, 0, -1, 2, 0, 1]
     assert d.values == pytest.approx([0.55, 0.2475, 0.35, 0.14, 0.22, 0.136125], abs=1e-6)
@@ -71,9 +71,17 @@ def test_heap_values_and_order_on_a_crafted_draft():
     assert sorted(d.rows) == [0, 1, 2]
 
 
+def test_greedy_values_are_sharpened_by_default():
+    """At temperature 0 the values use softmax(logits / 0.5), i.e. q² renormalised: the root's draws are the same
+    tokens in the same order, valued .3025/.435 and .1225/.435 instead of .55 and .35."""
+    tree, d = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=2, depth=1)
+    assert tree.tokens.tolist() == [1, 2] and tree.parents.tolist() == [-1, -1]
+    assert d.values == pytest.approx([0.3025 / 0.435, 0.1225 / 0.435], abs=1e-6)
+
+
 def test_heap_batching_changes_forwards_not_the_tree():
-    one, d1 = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6, batch=1)
-    four, d4 = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6, batch=4)
+    one, d1 = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6, batch=1, temperature=1.0)
+    four, d4 = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6, batch=4, temperature=1.0)
     assert one.tokens.tolist() == four.tokens.tolist() and one.parents.tolist() == four.parents.tolist()
     assert d4.forwards < d1.forwards
 
@@ -98,8 +106,8 @@ def test_heap_sampled_tree_is_swor_with_falling_draw_values(draft):
 
 
 def test_threshold_variant_on_the_crafted_draft():
-    tree, d = grow(CRAFTED, [3, 0], GREEDY, variant="threshold", budget=6, threshold=0.2475)
-    heap, dh = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6)
+    tree, d = grow(CRAFTED, [3, 0], GREEDY, variant="threshold", budget=6, threshold=0.2475, temperature=1.0)
+    heap, dh = grow(CRAFTED, [3, 0], GREEDY, variant="heap", budget=6, temperature=1.0)
     assert paths(tree, d.values) == pytest.approx(paths(heap, dh.values))
     assert d.forwards == 3  # catch-up + one batched forward per depth (depths 1 and 2 fed)
 
