@@ -49,8 +49,8 @@ AUTO_CAP = 64  # most draft tokens per step with budget="auto"
 AUTO_THRESHOLD = 1e-3  # smallest draw value with budget="auto" (the cost model decides above it)
 # At temperature 0 the values come from softmax(logits / GREEDY_VALUE_TEMPERATURE): greedy matching accepts the
 # draft's top token more often, and its runners-up less often, than softmax at temperature 1 says. Measured on
-# the embedded pair (6 prompts, 48 tokens): budget 16, tau 4.04 at 11.9 nodes (1) -> 4.75 at 12.8 (0.5);
-# budget auto 3.04 at 2.7 nodes -> 3.69 at 4.2, 1.29x -> 1.38x plain (0.3: tau 4.58, more forwards).
+# the embedded pair (6 prompts, 48 tokens, one run each): budget 16, tau 4.04 at 11.9 nodes (1) -> 4.75 at 12.8
+# (0.5) -> 4.58 (0.3); budget auto, tau 3.04 at 2.7 nodes -> 3.69 at 4.2, speed unchanged (1.36x vs 1.37x plain).
 GREEDY_VALUE_TEMPERATURE = 0.5
 
 
