@@ -17,7 +17,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default", help="draft model: 'default', a folder, a .gguf file, 'none'")
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 on cuda, fp32 on cpu)")
     p.add_argument("--kernels", choices=("fast", "eager"), default="fast",
-                   help="fast: the target's multi-row matmuls through prepacked oneDNN weights and the draft with "
+                   help="fast: the target's matmuls through prepacked oneDNN weights (two copies) and the draft with "
                    "int8 weights (CPU, fp32); eager: plain nn.Linear for both (what the models do by themselves)")
 
 
