@@ -237,21 +237,26 @@ def summarize(records: list[dict[str, Any]], specs: list[Spec], temps: list[floa
     return out
 
 
+def _tokens_per_s(rows: list[dict[str, Any]], decode_only: bool = False) -> float:
+    """New tokens per second of wall time over `rows`; decode_only takes the prompt prefill out of the wall time."""
+    secs = sum(r["wall_s"] - (r["prefill_s"] if decode_only else 0.0) for r in rows)
+    return sum(r["new_tokens"] for r in rows) / secs if secs > 0 else 0.0
+
+
 def _aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: float) -> dict[str, Any]:
     tokens, wall = sum(r["new_tokens"] for r in rows), sum(r["wall_s"] for r in rows)
-    tps = tokens / wall if wall else 0.0
-    base_tps = sum(r["new_tokens"] for r in base) / max(sum(r["wall_s"] for r in base), 1e-9)
+    tps, base_tps = _tokens_per_s(rows), _tokens_per_s(base)
     agg: dict[str, Any] = {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else None,
                            "n_prompts": len(rows), "new_tokens": tokens, "wall_s": wall, "temperature": temp,
                            "greedy_identical": (sum(r["greedy_identical"] for r in rows) / len(rows)
                                                 if temp == 0 and rows else None)}
     steps = [a for r in rows if r.get("accepted") is not None for a in r["accepted"]]
     agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
-    # decode only: the prompt's prefill (the same target forward for every strategy) taken out of the wall time
-    decode = sum(r["wall_s"] - r.get("prefill_s", 0.0) for r in rows)
-    base_decode = sum(r["wall_s"] - r.get("prefill_s", 0.0) for r in base)
-    agg["decode_speedup"] = ((tokens / decode) / (sum(r["new_tokens"] for r in base) / base_decode)
-                             if decode > 0 and base_decode > 0 and all("prefill_s" in r for r in rows) else None)
+    # decode only: the prompt's prefill (the same target forward for every strategy) taken out of the wall time;
+    # the peers' records have no prefill time
+    decode_tps = _tokens_per_s(rows, decode_only=True) if all("prefill_s" in r for r in rows) else 0.0
+    base_decode_tps = _tokens_per_s(base, decode_only=True)
+    agg["decode_speedup"] = decode_tps / base_decode_tps if decode_tps and base_decode_tps else None
     agg["speedup_by_category"] = _by_category(rows, base)
     peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
     agg["peak_memory_gib"] = max(peaks) if peaks else None
@@ -272,9 +277,8 @@ def _by_category(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict
     for cat in sorted({r["category"] for r in rows}):
         mine = [r for r in rows if r["category"] == cat]
         ref = [r for r in base if r["category"] == cat]
-        tps = sum(r["new_tokens"] for r in mine) / max(sum(r["wall_s"] for r in mine), 1e-9)
-        ref_tps = sum(r["new_tokens"] for r in ref) / max(sum(r["wall_s"] for r in ref), 1e-9)
-        out[cat] = tps / ref_tps if ref_tps else 0.0
+        ref_tps = _tokens_per_s(ref)
+        out[cat] = _tokens_per_s(mine) / ref_tps if ref_tps else 0.0
     return out
 
 
@@ -286,18 +290,21 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [head, "|" + "---|" * 11]
     for label, s in summary.items():
         for temp, a in s["by_temperature"].items():
-            def num(key: str, fmt: str = ".2f", unit: str = "", a=a) -> str:
-                return "-" if a.get(key) is None else format(a[key], fmt) + unit
             ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
             split = a.get("time_split")
             parts = ("prefill_s", "draft_s", "verify_s")
             split_s = "-" if not split else " / ".join(
                 [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
-            lines.append(f"| {label} | {temp} | {num('tau')} | {num('mean_tree_size', '.1f')} "
-                         f"| {num('draft_forwards_per_step', '.1f')} | {a['tokens_per_s']:.2f} "
-                         f"| {num('speedup', unit='x')} | {num('decode_speedup', unit='x')} | {ident} | {split_s} "
-                         f"| {num('peak_memory_gib', '.1f')} |")
+            lines.append(f"| {label} | {temp} | {_cell(a, 'tau')} | {_cell(a, 'mean_tree_size', '.1f')} "
+                         f"| {_cell(a, 'draft_forwards_per_step', '.1f')} | {a['tokens_per_s']:.2f} "
+                         f"| {_cell(a, 'speedup', unit='x')} | {_cell(a, 'decode_speedup', unit='x')} | {ident} "
+                         f"| {split_s} | {_cell(a, 'peak_memory_gib', '.1f')} |")
     return "\n".join(lines)
+
+
+def _cell(agg: dict[str, Any], key: str, fmt: str = ".2f", unit: str = "") -> str:
+    """One table cell: agg[key] formatted, or '-' where it is missing (a peer has no tau, no tree)."""
+    return "-" if agg.get(key) is None else format(agg[key], fmt) + unit
 
 
 def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace) -> None:
