@@ -23,7 +23,8 @@ def real_sp(real_pair):
 @pytest.fixture(scope="session")
 def greedy_cases(real_sp) -> list[tuple[str, list[int], list[int]]]:
     """(prompt id, prompt ids, plain greedy continuation) for 3 MT-Bench + 3 HumanEval prompts."""
-    from speculor import SamplingConfig, prompts
+    from speculor import SamplingConfig
+    from speculor.bench import prompts
 
     cfg = SamplingConfig(max_new_tokens=NEW_TOKENS)
     out = []

@@ -5,8 +5,8 @@ import zipfile
 
 import pytest
 
-from speculor import assets, embedded
 from speculor.errors import SpeculorError
+from speculor.runtime import assets, embedded
 
 
 @pytest.fixture()

@@ -11,8 +11,9 @@ import pytest
 import torch
 from test_server import TEXTS, tiny_pair
 
-from speculor import bench
-from speculor.prompts import Prompt
+from speculor.bench import run as bench
+from speculor.bench.prompts import Prompt
+from speculor.cli import add_bench_arguments
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +22,9 @@ def pair():
 
 
 def _args(*argv: str) -> argparse.Namespace:
+    """The options of `speculor bench`, parsed as the CLI parses them (argparse lives in the CLI only)."""
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
+    add_bench_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -60,7 +62,7 @@ def test_quick_fills_only_what_was_not_given() -> None:
     bench.fill_defaults(plain)
     assert plain.limit == 3 and plain.strategies == bench.DEFAULTS["strategies"]
     names = [s.name for s in bench.parse_strategies(args.strategies)]
-    from speculor.strategies import BUILDERS
+    from speculor.drafters.registry import BUILDERS
 
     assert set(BUILDERS) | {"hf-assisted", "hf-prompt-lookup"} <= set(names)  # --quick runs every strategy
 

@@ -12,11 +12,11 @@ from test_tree_drafting import draft as draft  # noqa: F401  (fixtures)
 from test_tree_drafting import pair as pair  # noqa: F401
 from test_tree_drafting import target as target  # noqa: F401
 
-from speculor import LM, SamplingConfig, Speculor, SpeculorError, engine
-from speculor.dyspec import DySpecDrafter, DySpecOptions
-from speculor.gsd import GSDDrafter, GSDOptions
-from speculor.topk_tree import TopkOptions, TopkTreeDrafter
-from speculor.tree import path_to
+from speculor import Model, SamplingConfig, Speculor, SpeculorError, engine
+from speculor.core.tree import path_to
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+from speculor.drafters.gsd import GSDDrafter, GSDOptions
+from speculor.drafters.topk_tree import TopkOptions, TopkTreeDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,59 +58,61 @@ class Checked:
 
 @pytest.mark.parametrize(("make", "temperature"), [
     # a low temperature: the tiny random models are nearly uniform, and deeper nodes must be accepted sometimes
-    (lambda lm: DySpecDrafter(lm, DySpecOptions("heap", budget=10, depth=4, batch=3)), 0.05),
-    (lambda lm: DySpecDrafter(lm, DySpecOptions("threshold", budget=10, threshold=0.2, depth=4)), 0.05),
-    (lambda lm: TopkTreeDrafter(lm, TopkOptions(budget=10, depth=4, k=3)), 0.0),
+    (lambda model: DySpecDrafter(model, DySpecOptions("heap", budget=10, depth=4, batch=3)), 0.05),
+    (lambda model: DySpecDrafter(model, DySpecOptions("threshold", budget=10, threshold=0.2, depth=4)), 0.05),
+    (lambda model: TopkTreeDrafter(model, TopkOptions(budget=10, depth=4, k=3)), 0.0),
 ])
 def test_draft_numbers_equal_path_forwards(target, draft, make, temperature):  # noqa: F811
-    drafter = Checked(make(LM(draft)), draft)
+    drafter = Checked(make(Model(draft)), draft)
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=24, seed=1)
     stats = engine.Stats()
-    out = list(engine.stream(LM(target), drafter, PROMPTS[0], cfg, stats=stats))
+    out = list(engine.stream(Model(target), drafter, PROMPTS[0], cfg, stats=stats))
     assert len(out) == 24 and drafter.proposals == len(stats.steps) >= 3
     assert any(s.accepted >= 2 for s in stats.steps)  # commits of accepted paths happened between proposals
 
 
 @pytest.mark.parametrize("make", [
-    lambda lm: TopkTreeDrafter(lm, TopkOptions(budget=4, depth=4, k=1)),
-    lambda lm: GSDDrafter(lm, GSDOptions(n=1, k=-1, sibling_threshold=0.0, prob_threshold=0.0, depth=4, budget=4)),
-    lambda lm: GSDDrafter(lm, GSDOptions(n=1, k=0, sibling_threshold=0.0, prob_threshold=0.0, depth=4, budget=4)),
+    lambda model: TopkTreeDrafter(model, TopkOptions(budget=4, depth=4, k=1)),
+    lambda model: GSDDrafter(model, GSDOptions(n=1, k=-1, sibling_threshold=0.0, prob_threshold=0.0, depth=4,
+                                               budget=4)),
+    lambda model: GSDDrafter(model, GSDOptions(n=1, k=0, sibling_threshold=0.0, prob_threshold=0.0, depth=4,
+                                               budget=4)),
 ])
 def test_self_draft_chain_is_fully_accepted(target, make):  # noqa: F811
     """The target drafting for itself, top-1 only: a chain of 4 greedy tokens, all accepted, every step."""
     stats = engine.Stats()
-    out = list(engine.stream(LM(target), make(LM(target)), PROMPTS[0], SamplingConfig(max_new_tokens=20),
-                             stats=stats))
+    model = Model(target)  # one Model for both roles: the drafter drafts into its own cache
+    out = list(engine.stream(model, make(model), PROMPTS[0], SamplingConfig(max_new_tokens=20), stats=stats))
     assert [t.id for t in out] == reference_greedy(target, PROMPTS[0], 20)
     assert [s.accepted for s in stats.steps] == [4] * 4
 
 
-def drafters(lm: LM) -> dict[str, object]:
+def drafters(model: Model) -> dict[str, object]:
     return {
-        "dyspec-heap": DySpecDrafter(lm, DySpecOptions("heap", budget=8, depth=5)),
-        "dyspec-threshold": DySpecDrafter(lm, DySpecOptions("threshold", budget=12, threshold=0.05)),
-        "topk-tree": TopkTreeDrafter(lm, TopkOptions(budget=10, depth=5, k=3)),
-        "gsd-k0": GSDDrafter(lm, GSDOptions(k=0, budget=16)),
-        "gsd-k1": GSDDrafter(lm, GSDOptions(k=1, budget=16)),
+        "dyspec-heap": DySpecDrafter(model, DySpecOptions("heap", budget=8, depth=5)),
+        "dyspec-threshold": DySpecDrafter(model, DySpecOptions("threshold", budget=12, threshold=0.05)),
+        "topk-tree": TopkTreeDrafter(model, TopkOptions(budget=10, depth=5, k=3)),
+        "gsd-k0": GSDDrafter(model, GSDOptions(k=0, budget=16)),
+        "gsd-k1": GSDDrafter(model, GSDOptions(k=1, budget=16)),
     }
 
 
 @pytest.mark.parametrize("name", ["dyspec-heap", "dyspec-threshold", "topk-tree", "gsd-k0", "gsd-k1"])
 def test_greedy_equals_plain_greedy(target, draft, name):  # noqa: F811
-    t_lm = LM(target)
-    drafter = drafters(LM(draft))[name]
+    t_model = Model(target)
+    drafter = drafters(Model(draft))[name]
     cfg = SamplingConfig(max_new_tokens=20)
     for prompt in PROMPTS:
         stats = engine.Stats()
-        spec = [t.id for t in engine.stream(t_lm, drafter, prompt, cfg, stats=stats)]
+        spec = [t.id for t in engine.stream(t_model, drafter, prompt, cfg, stats=stats)]
         assert spec == reference_greedy(target, prompt, 20), f"prompt {prompt}"
         assert stats.tau >= 1
 
 
 def test_greedy_with_an_unrelated_draft(target):  # noqa: F811
     other = tiny_qwen2(7, hidden=16, layers=1)
-    for name, drafter in drafters(LM(other)).items():
-        out = [t.id for t in engine.stream(LM(target), drafter, PROMPTS[3], SamplingConfig(max_new_tokens=12))]
+    for name, drafter in drafters(Model(other)).items():
+        out = [t.id for t in engine.stream(Model(target), drafter, PROMPTS[3], SamplingConfig(max_new_tokens=12))]
         assert out == reference_greedy(target, PROMPTS[3], 12), name
 
 

@@ -13,11 +13,11 @@ from toy import ToyLM, exact_law, plain_greedy, random_toy
 
 from speculor import engine
 from speculor.config import SamplingConfig
-from speculor.dyspec import DySpecDrafter, DySpecOptions, expected_gain, steer, worth
+from speculor.core.tree import DraftTree, path_to
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions, expected_gain, steer, worth
 from speculor.errors import SpeculorError
-from speculor.models import LM
-from speculor.sequoia import CostModel
-from speculor.tree import DraftTree, path_to
+from speculor.runtime.cost import CostModel
+from speculor.runtime.model import Model
 
 V = 6
 N = 3
@@ -44,7 +44,7 @@ CRAFTED = first_order([[0.10, 0.55, 0.35, 0.00],
 
 def grow(model: ToyLM, seq: list[int], cfg: SamplingConfig, seed: int = 0, **options) -> tuple[DraftTree,
                                                                                                   DySpecDrafter]:
-    drafter = DySpecDrafter(LM(model), DySpecOptions(**options))
+    drafter = DySpecDrafter(Model(model), DySpecOptions(**options))
     tree = drafter.propose(seq, cfg, torch.Generator().manual_seed(seed))
     return tree, drafter
 
@@ -134,15 +134,16 @@ def test_threshold_sampled_draws_stop_below_t(draft):
 def test_steered_threshold(draft):
     assert steer(0.1, 16, 16) == pytest.approx(0.15) and steer(0.1, 8, 16) == pytest.approx(0.1 / 1.2)
     assert steer(0.1, 13, 16) == 0.1 and steer(0.4, 16, 16) == 0.5 and steer(1.1e-4, 0, 16) == 1e-4
-    drafter = DySpecDrafter(LM(draft), DySpecOptions("threshold", budget=4, depth=6))
+    draft_model = Model(draft)
+    drafter = DySpecDrafter(draft_model, DySpecOptions("threshold", budget=4, depth=6))
     ts = []
     for seed in range(8):
         ts.append(drafter.t)
-        drafter.reset()
+        drafter.cache = draft_model.new_cache()  # a fresh draft cache; reset() would also restart the threshold
         tree = drafter.propose([1, 2], T1, torch.Generator().manual_seed(seed))
         assert len(tree) <= 4 and drafter.stats["threshold"] == ts[-1]
     assert ts[0] == 0.25 and len(set(ts)) > 1  # it moved
-    fixed = DySpecDrafter(LM(draft), DySpecOptions("threshold", budget=4, threshold=0.01))
+    fixed = DySpecDrafter(Model(draft), DySpecOptions("threshold", budget=4, threshold=0.01))
     fixed.propose([1, 2], T1, None)
     assert fixed.t == 0.01 and not fixed.opts.adaptive
 
@@ -163,13 +164,13 @@ def test_worth_and_expected_gain():
 @pytest.mark.parametrize("variant", ["heap", "threshold"])
 def test_auto_budget_is_greedy_identical(target, draft, variant):
     cost = CostModel((1, 2, 9, 17), (0.5, 0.9, 0.9, 1.35), (1, 8), (0.2, 0.3))
-    drafter = DySpecDrafter(LM(draft), DySpecOptions(variant, "auto", depth=6), cost)
+    drafter = DySpecDrafter(Model(draft), DySpecOptions(variant, "auto", depth=6), cost)
     stats = engine.Stats()
-    out = [t.id for t in engine.stream(LM(target), drafter, [1, 2], SamplingConfig(max_new_tokens=20), stats=stats)]
+    out = [t.id for t in engine.stream(Model(target), drafter, [1, 2], SamplingConfig(max_new_tokens=20), stats=stats)]
     assert out == plain_greedy(target, [1, 2], 20)
     assert all(1 <= s.drafted <= 64 for s in stats.steps)
     with pytest.raises(SpeculorError, match="cost model"):
-        DySpecDrafter(LM(draft), DySpecOptions(budget="auto"))
+        DySpecDrafter(Model(draft), DySpecOptions(budget="auto"))
 
 
 @pytest.mark.parametrize("options", [{"variant": "dfs"}, {"budget": 0}, {"budget": "big"}, {"threshold": 2},
@@ -197,18 +198,18 @@ class PrunedAfterSampling(DySpecDrafter):
 
 
 def counts(target: ToyLM, drafter, prompt: list[int], m: int, seed0: int) -> torch.Tensor:
-    t_lm = LM(target)
+    t_model = Model(target)
     out = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):
         run = replace(T1, max_new_tokens=N, seed=seed0 + i)
-        out[tuple(t.id for t in engine.stream(t_lm, drafter, prompt, run))] += 1
+        out[tuple(t.id for t in engine.stream(t_model, drafter, prompt, run))] += 1
     return out
 
 
 @pytest.mark.parametrize(("variant", "options"), [("heap", {"budget": 5, "batch": 2}),
                                                   ("threshold", {"budget": 6})])  # steered threshold
 def test_dyspec_follows_the_exact_law(target, draft, variant, options):
-    drafter = DySpecDrafter(LM(draft), DySpecOptions(variant, depth=3, **options))
+    drafter = DySpecDrafter(Model(draft), DySpecOptions(variant, depth=3, **options))
     m = 1500
     pvalue, tv, floor = goodness_of_fit(counts(target, drafter, [1, 2], m, 100), exact_law(target, [1, 2], T1, N))
     assert pvalue > 1e-3, f"{variant}: chi-square p-value {pvalue:.2e}, TV {tv:.4f}"
@@ -218,8 +219,8 @@ def test_dyspec_follows_the_exact_law(target, draft, variant, options):
 def test_chi_square_catches_pruning_after_sampling(target, draft):
     opts = DySpecOptions("threshold", budget=3, threshold=0.0, depth=1)
     law = exact_law(target, [5, 0], T1, N)
-    pvalue, tv, _ = goodness_of_fit(counts(target, PrunedAfterSampling(LM(draft), opts), [5, 0], 600, 7000), law)
+    pvalue, tv, _ = goodness_of_fit(counts(target, PrunedAfterSampling(Model(draft), opts), [5, 0], 600, 7000), law)
     assert pvalue < 1e-6, f"pruning after sampling not detected: p-value {pvalue:.2e}, TV {tv:.4f}"
     # the same draws left unpruned pass the same harness
-    pvalue, tv, floor = goodness_of_fit(counts(target, DySpecDrafter(LM(draft), opts), [5, 0], 600, 7000), law)
+    pvalue, tv, floor = goodness_of_fit(counts(target, DySpecDrafter(Model(draft), opts), [5, 0], 600, 7000), law)
     assert pvalue > 1e-3 and tv < 2 * floor, f"unpruned control: p-value {pvalue:.2e}, TV {tv:.4f}"

@@ -9,11 +9,11 @@ import torch
 from scipy.stats import chisquare
 from toy import ToyLM, exact_law, next_distribution, perturbed, plain_greedy, random_toy
 
-import speculor.verify
+import speculor.core.verify
 from speculor import engine
 from speculor.config import SamplingConfig
-from speculor.drafters import ChainDrafter
-from speculor.models import LM
+from speculor.drafters.base import ChainDrafter
+from speculor.runtime.model import Model
 
 V = 6
 N = 3  # tokens whose joint law is tested (V**N = 216 cells)
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def generate(target: ToyLM, draft: ToyLM | None, prompt: list[int], cfg: SamplingConfig, k: int = 2,
              eos: frozenset[int] = frozenset(), stats: engine.Stats | None = None) -> list[engine.Token]:
-    drafter = ChainDrafter(LM(draft), k) if draft is not None else None
-    return list(engine.stream(LM(target), drafter, prompt, cfg, eos, stats))
+    drafter = ChainDrafter(Model(draft), k) if draft is not None else None
+    return list(engine.stream(Model(target), drafter, prompt, cfg, eos, stats))
 
 
 # ---------------------------------------------------------------- greedy
@@ -65,13 +65,13 @@ def test_self_draft_accepts_everything(target, cfg):
 class CheckingDrafter(ChainDrafter):
     """A chain drafter that checks each proposal against a fresh computation from the draft's tables."""
 
-    def __init__(self, lm: LM, k: int) -> None:
-        super().__init__(lm, k)
+    def __init__(self, model: Model, k: int) -> None:
+        super().__init__(model, k)
         self.proposals = 0
 
     def propose(self, seq, cfg, generator):
         tree = super().propose(seq, cfg, generator)
-        toy: ToyLM = self.lm.model
+        toy: ToyLM = self.model.model
         ctx = list(seq)
         for i, y in enumerate(tree.tokens.tolist()):
             want = next_distribution(toy, ctx, cfg)
@@ -87,8 +87,8 @@ class CheckingDrafter(ChainDrafter):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_cache_stays_in_sync(target, draft, temperature):
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=30, seed=5)
-    drafter = CheckingDrafter(LM(draft), 3)
-    out = list(engine.stream(LM(target), drafter, [0, 3, 1], cfg))
+    drafter = CheckingDrafter(Model(draft), 3)
+    out = list(engine.stream(Model(target), drafter, [0, 3, 1], cfg))
     assert len(out) == 30 and drafter.proposals >= 8
 
 
@@ -131,13 +131,13 @@ def test_max_new_tokens_truncates_a_step(target, max_new):
 
 
 def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed0: int) -> torch.Tensor:
-    """Counts [V]*N of the first N tokens over m seeded generations (one LM pair reused, as a server would)."""
-    t_lm, drafter = LM(target), ChainDrafter(LM(draft), 2)
+    """Counts [V]*N of the first N tokens over m seeded generations (one target model and drafter reused, as a server would)."""
+    t_model, drafter = Model(target), ChainDrafter(Model(draft), 2)
     counts = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):
         run = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=N,
                              seed=seed0 + i)
-        toks = tuple(t.id for t in engine.stream(t_lm, drafter, PROMPT, run))
+        toks = tuple(t.id for t in engine.stream(t_model, drafter, PROMPT, run))
         counts[toks] += 1
     return counts
 
@@ -177,7 +177,7 @@ def test_first_tokens_follow_exact_law(target, draft, case):
 
 def test_chi_square_detects_a_biased_verifier(target, draft, monkeypatch):
     """Negative control: resampling from p after a rejection (no residual) must be caught by the same harness."""
-    monkeypatch.setattr(speculor.verify, "residual", lambda r, d: r)
+    monkeypatch.setattr(speculor.core.verify, "residual", lambda r, d: r)
     cfg = SamplingConfig(temperature=1.0)
     pvalue, tv, floor = goodness_of_fit(sample_counts(target, draft, cfg, 3000, seed0=1000),
                                         exact_law(target, PROMPT, cfg, N))

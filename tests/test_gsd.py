@@ -12,9 +12,9 @@ from toy import exact_law, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
+from speculor.drafters.gsd import Dag, GSDDrafter, GSDOptions, candidates, merge_target, savings, tail, unroll
 from speculor.errors import SpeculorError
-from speculor.gsd import Dag, GSDDrafter, GSDOptions, candidates, merge_target, savings, tail, unroll
-from speculor.models import LM
+from speculor.runtime.model import Model
 
 SEQ = [10, 11]  # committed tokens; the root is 11
 
@@ -90,14 +90,14 @@ def test_candidates():
 def test_drafting_merges_and_reports_the_work_saved():
     """A first-order draft (q depends on the last token) with k = 1: a candidate after token a merges into an
     earlier node with the same token after a, and its subtree is reused in the unrolled tree."""
-    merged = GSDDrafter(LM(CRAFTED), GSDOptions(n=3, k=1, depth=4, budget=64))
+    merged = GSDDrafter(Model(CRAFTED), GSDOptions(n=3, k=1, depth=4, budget=64))
     tree = merged.propose([3, 0], SamplingConfig(), None)
     s = merged.stats
     assert s["merges"] > 0 and s["verified"] == len(tree)
     assert s["tokens_saved"] == len(tree) - sum(merged.unrolled.real) > 0
     assert sum(merged.unrolled.real) == s["drafted"]  # every drafted node is in the tree once in its own context
     assert all(merged.unrolled.real[i] for i in merged.rows)  # cache rows only where the context is true
-    off = GSDDrafter(LM(CRAFTED), GSDOptions(n=3, k=-1, depth=4, budget=64))
+    off = GSDDrafter(Model(CRAFTED), GSDOptions(n=3, k=-1, depth=4, budget=64))
     off.propose([3, 0], SamplingConfig(), None)
     assert off.stats["merges"] == 0 and off.stats["tokens_saved"] == 0
     # merging drafted and fed fewer tokens, and verified more
@@ -108,15 +108,15 @@ def test_drafting_merges_and_reports_the_work_saved():
 @pytest.mark.parametrize("k", [-1, 0, 1, 2])
 @pytest.mark.parametrize("prompt", [[0], [1, 2], [5, 4, 3, 2]])
 def test_greedy_equals_plain_greedy(target, draft, k, prompt):
-    drafter = GSDDrafter(LM(draft), GSDOptions(n=3, k=k, sibling_threshold=0.1, prob_threshold=0.2, budget=12))
-    out = [t.id for t in engine.stream(LM(target), drafter, prompt, SamplingConfig(max_new_tokens=15))]
+    drafter = GSDDrafter(Model(draft), GSDOptions(n=3, k=k, sibling_threshold=0.1, prob_threshold=0.2, budget=12))
+    out = [t.id for t in engine.stream(Model(target), drafter, prompt, SamplingConfig(max_new_tokens=15))]
     assert out == plain_greedy(target, prompt, 15)
     if k >= 0:
         assert set(drafter.totals) >= {"merges", "tokens_saved", "forwards_saved"}
 
 
 def test_gsd_follows_the_exact_law(target, draft):
-    drafter = GSDDrafter(LM(draft), GSDOptions(n=3, k=0, sibling_threshold=0.05, prob_threshold=0.1, depth=3,
+    drafter = GSDDrafter(Model(draft), GSDOptions(n=3, k=0, sibling_threshold=0.05, prob_threshold=0.1, depth=3,
                                                budget=10))
     m = 1500
     c = counts(target, drafter, [1, 2], m, 500)
@@ -134,11 +134,11 @@ def test_bad_options(options):
 
 
 def test_engine_and_bench_record_the_work_saved(target, draft):
-    from speculor.bench import sum_stats
+    from speculor.bench.run import sum_stats
 
-    drafter = GSDDrafter(LM(draft), GSDOptions(n=3, k=0, sibling_threshold=0.1, prob_threshold=0.2, budget=12))
+    drafter = GSDDrafter(Model(draft), GSDOptions(n=3, k=0, sibling_threshold=0.1, prob_threshold=0.2, budget=12))
     stats = engine.Stats()
-    list(engine.stream(LM(target), drafter, [1, 2], SamplingConfig(max_new_tokens=15), stats=stats))
+    list(engine.stream(Model(target), drafter, [1, 2], SamplingConfig(max_new_tokens=15), stats=stats))
     per_step = [s.drafter_stats for s in stats.steps]
     assert all(d is not None and d["verified"] == s.drafted for d, s in zip(per_step, stats.steps, strict=True))
     assert sum_stats(per_step) == drafter.totals

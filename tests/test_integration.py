@@ -3,8 +3,9 @@ itself, the shared prompts, the committed SpecDec++ head. Greedy identity per st
 
 import pytest
 
-from speculor import Speculor, specdecpp
-from speculor.models import check_same_vocab
+from speculor import Speculor
+from speculor.drafters import specdecpp
+from speculor.runtime.loading import check_same_vocab
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,9 @@ import openai
 import pytest
 from test_server import live_server
 
-from speculor import SamplingConfig, Speculor, loadtest
-from speculor.server import create_app, engine_lock
+from speculor import SamplingConfig, Speculor
+from speculor.bench import loadtest
+from speculor.serving.app import create_app
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Write a Python function that reverses a string.", "What is a KV cache? Answer in one sentence."]
@@ -23,8 +24,7 @@ def url(real_pair):
 
 def library_answer(real_sp: Speculor, prompt: str, max_tokens: int) -> str:
     ids = real_sp.encode(prompt, chat=True)
-    with engine_lock(real_sp.pair):  # the server shares these models
-        return real_sp.generate(ids, SamplingConfig(max_new_tokens=max_tokens)).text
+    return real_sp.generate(ids, SamplingConfig(max_new_tokens=max_tokens)).text
 
 
 def test_chat_greedy_equals_library(real_sp: Speculor, url: str) -> None:

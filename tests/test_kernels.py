@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from speculor.kernels import PackedLinear, can_pack, pack_linears
+from speculor.runtime.kernels import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -35,27 +35,27 @@ def test_packed_model_gives_the_same_greedy_tokens() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from speculor.config import SamplingConfig
-    from speculor.drafters import ChainDrafter
+    from speculor.drafters.base import ChainDrafter
     from speculor.engine import stream
-    from speculor.models import LM
+    from speculor.runtime.model import Model
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256)
     target, draft = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
     prompt, sc = [3, 9, 27, 14, 5], SamplingConfig(max_new_tokens=20)
-    plain = [t.id for t in stream(LM(target), None, prompt, sc)]
+    plain = [t.id for t in stream(Model(target), None, prompt, sc)]
     pack_linears(target)
     pack_linears(draft)
-    spec = [t.id for t in stream(LM(target), ChainDrafter(LM(draft), 4), prompt, sc)]
+    spec = [t.id for t in stream(Model(target), ChainDrafter(Model(draft), 4), prompt, sc)]
     assert spec == plain
 
 
 @pytest.mark.parametrize("fbgemm", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_int8_linear_approximates_linear_and_eager_restores_it(rows: int, fbgemm: bool, monkeypatch) -> None:
-    from speculor import kernels
-    from speculor.kernels import Int8Linear, eager
+    from speculor.runtime import kernels
+    from speculor.runtime.kernels import Int8Linear, eager
 
     if not fbgemm:  # the int8pack fallback of a torch without the x86/fbgemm quantized engine
         monkeypatch.setattr(kernels, "_fbgemm_pack", lambda *args: None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculor import SamplingConfig, SpeculorError
-from speculor.sampling import check_finite, greedy, residual, sample, warp
+from speculor.core.sampling import check_finite, greedy, residual, sample, warp
 
 # ---------------------------------------------------------------- SamplingConfig
 

@@ -18,30 +18,32 @@ from toy import ToyLM, exact_law, perturbed, plain_greedy, random_toy
 
 from speculor import Speculor, engine
 from speculor.config import SamplingConfig
-from speculor.errors import SpeculorError
-from speculor.models import LM, Pair
-from speculor.sequoia import (
-    AUTO_NODES,
-    Calibration,
-    CostModel,
-    SequoiaDrafter,
-    SequoiaOptions,
-    builtin_calibrations,
-    calibrate,
-    calibration_path,
+from speculor.core.sequoia_dp import (
     choose_tree,
-    cost_path,
     expected_tokens,
     feed_widths,
-    implausible,
     level_widths,
     nested_to_shape,
     optimal_trees,
+)
+from speculor.drafters.base import ChainDrafter
+from speculor.drafters.registry import make_strategy
+from speculor.drafters.sequoia import (
+    AUTO_NODES,
+    Calibration,
+    SequoiaOptions,
+    SequoiaPlans,
+    builtin_calibrations,
+    calibration_path,
     plan_tree,
-    profile_cost,
     resolve_acc,
 )
-from speculor.strategies import make_drafter
+from speculor.errors import SpeculorError
+from speculor.methods.sequoia_calibration import calibrate
+from speculor.runtime.cache import KVCache
+from speculor.runtime.cost import CostModel, cost_path, implausible, profile_cost
+from speculor.runtime.loading import Pair
+from speculor.runtime.model import Model
 
 V = 6  # toy vocabulary
 
@@ -288,7 +290,7 @@ def toy_target() -> ToyLM:
 
 
 def toy_pair(target: ToyLM, draft: ToyLM) -> Pair:
-    return Pair(LM(target), LM(draft), tokenizer=None, target_name="toy-t", draft_name="toy-d")
+    return Pair(Model(target), Model(draft), tokenizer=None, target_name="toy-t", draft_name="toy-d")
 
 
 PROMPTS = [[1, 2], [0], [5, 4, 3], [3, 3]]
@@ -318,10 +320,10 @@ def test_calibration_counts_with_another_draft(toy_target, temperature):
 @pytest.mark.parametrize("shape_opts", [dict(budget=6, depth=3, width=3), dict(budget=3, depth=3, width=1)])
 def test_greedy_sequoia_equals_plain_greedy_on_the_toy(toy_target, shape_opts):
     draft = perturbed(toy_target, seed=1, noise=0.8)
-    drafter = SequoiaDrafter(LM(draft), "t", "d", SequoiaOptions(acc=(0.6, 0.2, 0.1), **shape_opts))
+    drafter = SequoiaPlans(Model(draft), "t", "d", SequoiaOptions(acc=(0.6, 0.2, 0.1), **shape_opts)).drafter()
     for prompt in PROMPTS:
         stats = engine.Stats()
-        out = [t.id for t in engine.stream(LM(toy_target), drafter, prompt, SamplingConfig(max_new_tokens=15),
+        out = [t.id for t in engine.stream(Model(toy_target), drafter, prompt, SamplingConfig(max_new_tokens=15),
                                            stats=stats)]
         assert out == plain_greedy(toy_target, prompt, 15)
         assert max(s.drafted for s in stats.steps) == shape_opts["budget"]
@@ -333,13 +335,14 @@ LAW_PROMPT = [1, 2]
 
 def sequoia_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed0: int) -> torch.Tensor:
     """Counts [V]*3 of the first 3 tokens over m seeded sequoia generations with a branching tree."""
-    t_lm = LM(target)
-    drafter = SequoiaDrafter(LM(draft), "t", "d", SequoiaOptions(budget=5, depth=2, width=3, acc=(0.5, 0.25, 0.1)))
-    assert drafter.plan(cfg).shape == (-1, -1, 0, 0, 1)  # siblings at both depths
+    t_model = Model(target)
+    plans = SequoiaPlans(Model(draft), "t", "d", SequoiaOptions(budget=5, depth=2, width=3, acc=(0.5, 0.25, 0.1)))
+    assert plans.plan(cfg).shape == (-1, -1, 0, 0, 1)  # siblings at both depths
+    drafter = plans.drafter()
     counts = torch.zeros([V] * N_LAW, dtype=torch.float64)
     for i in range(m):
         run = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=N_LAW, seed=seed0 + i)
-        counts[tuple(t.id for t in engine.stream(t_lm, drafter, LAW_PROMPT, run))] += 1
+        counts[tuple(t.id for t in engine.stream(t_model, drafter, LAW_PROMPT, run))] += 1
     return counts
 
 
@@ -356,7 +359,7 @@ def test_sequoia_decoding_follows_the_exact_law(toy_target, cfg, m):
 @pytest.fixture(scope="module")
 def tiny_pair() -> Pair:
     target = tiny_qwen2(0)
-    return Pair(LM(target), LM(qwen_perturbed(target, 0.1, seed=2)), word_tokenizer(WORDS), "tiny-t", "tiny-d")
+    return Pair(Model(target), Model(qwen_perturbed(target, 0.1, seed=2)), word_tokenizer(WORDS), "tiny-t", "tiny-d")
 
 
 @pytest.mark.parametrize("options", [dict(budget=8, depth=4, width=3), dict(budget=12, depth=2, width=8),
@@ -381,18 +384,29 @@ def test_sequoia_sampling_on_tiny_qwen2_runs_with_the_builtin_vector(tiny_pair, 
 def test_budget_auto_uses_the_cached_cost_model(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path))
     CostModel((1, 6, 7, 128), (1.0, 1.0, 100.0, 100.0), (1, 128), (0.0, 0.0)).save(cost_path(tiny_pair))
-    drafter = make_drafter("sequoia", tiny_pair, budget="auto", depth=3, width=4, acc=[0.5, 0.2, 0.1, 0.1])
-    plan = drafter.plan(SamplingConfig())
+    plans = make_strategy("sequoia", tiny_pair, budget="auto", depth=3, width=4, acc=[0.5, 0.2, 0.1, 0.1])
+    plan = plans.plan(SamplingConfig())
     assert plan.choice is not None and len(plan.shape) == 5 and plan.choice.n == 6
 
 
+def holds_a_cache(model: Model) -> bool:
+    return any(isinstance(v, KVCache) for v in vars(model).values())
+
+
 def test_profile_cost_on_tiny_models(tiny_pair):
-    before = (tiny_pair.target.length, tiny_pair.draft.length)
+    """Profiling leaves the pair's requests untouched: the models hold no cache, so a generation in flight during
+    the profile goes on with the tokens it would have produced without it."""
+    cfg = SamplingConfig(max_new_tokens=12, stop_on_eos=False)
+    prompt = TINY_PROMPTS[0]
+    ref = [t.id for t in engine.stream(tiny_pair.target, ChainDrafter(tiny_pair.draft, 3), prompt, cfg)]
+    in_flight = engine.stream(tiny_pair.target, ChainDrafter(tiny_pair.draft, 3), prompt, cfg)
+    first = [next(in_flight).id for _ in range(5)]
     c = profile_cost(tiny_pair, sizes=(1, 2, 4), repeats=1, progress=False)
     assert c.target_n == (1, 2, 4) and len(c.draft_s) == 3 and min(c.target_s + c.draft_s) > 0
     meta = dict(c.meta)
     assert meta["target"] == "tiny-t" and meta["threads"] == "1" and meta["device"] == "cpu"
-    assert (tiny_pair.target.length, tiny_pair.draft.length) == before  # the pair's own caches are untouched
+    assert first + [t.id for t in in_flight] == ref  # the pair's requests are untouched
+    assert not holds_a_cache(tiny_pair.target) and not holds_a_cache(tiny_pair.draft)
 
 
 def test_implausible_cost_curves_are_flagged():
@@ -403,6 +417,6 @@ def test_implausible_cost_curves_are_flagged():
 def test_bad_sequoia_options(tiny_pair):
     for bad in [dict(budget=0), dict(depth="3"), dict(acc="/no/such/calibration.json"), dict(nope=1)]:
         with pytest.raises(SpeculorError):
-            make_drafter("sequoia", tiny_pair, **bad)
+            make_strategy("sequoia", tiny_pair, **bad)
     with pytest.raises(SpeculorError, match="needs a draft"):
-        make_drafter("sequoia", Pair(tiny_pair.target, None, tiny_pair.tokenizer))
+        make_strategy("sequoia", Pair(tiny_pair.target, None, tiny_pair.tokenizer))

@@ -25,9 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from speculor import LM, Pair, SamplingConfig, Speculor, SpeculorError, loadtest
+from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError
 from speculor.api import Generation
-from speculor.server import create_app, engine_lock
+from speculor.bench import loadtest
+from speculor.serving.app import create_app
 
 CONTEXT = 4096
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -61,7 +62,25 @@ def tiny_pair() -> Pair:
         draft.lm_head.weight.add_(0.005 * torch.randn_like(draft.lm_head.weight))
         for model in (target, draft):
             model.lm_head.weight[tokenizer.eos_token_id] = 0
-    return Pair(LM(target), LM(draft), tokenizer, "tiny-target", "tiny-draft")
+    return Pair(Model(target), Model(draft), tokenizer, "tiny-target", "tiny-draft")
+
+
+@contextmanager
+def hold_target(pair: Pair) -> Iterator[None]:
+    """While held, every target forward on `pair` waits: the server's running job blocks, later ones queue."""
+    gate = threading.Event()
+    forward = pair.target.forward
+
+    def gated(*args, **kwargs):
+        gate.wait(60)
+        return forward(*args, **kwargs)
+
+    pair.target.forward = gated
+    try:
+        yield
+    finally:
+        del pair.target.forward
+        gate.set()
 
 
 @contextmanager
@@ -112,8 +131,7 @@ def reference(pair: Pair, prompt: str | list[dict[str, str]], max_tokens: int, *
     """The library's own output (default strategy, greedy unless told); a list of messages means chat."""
     sp = Speculor(pair)
     ids = sp.encode_chat(prompt) if isinstance(prompt, list) else sp.encode(prompt)
-    with engine_lock(pair):  # the server shares these models
-        return sp.generate(ids, SamplingConfig(max_new_tokens=max_tokens, **sampling))
+    return sp.generate(ids, SamplingConfig(max_new_tokens=max_tokens, **sampling))
 
 
 def metrics(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -370,7 +388,7 @@ def _queued(http: httpx.Client) -> tuple[bool, int]:
 
 def test_requests_are_served_in_arrival_order(pair: Pair, http: httpx.Client, caplog) -> None:
     """Jobs queued behind a held engine run first-come first-served, each with its own answer."""
-    caplog.set_level("INFO", logger="speculor.server")
+    caplog.set_level("INFO", logger="speculor.serving.app")
     prompts = [f"Order {i}" for i in range(5)]
     expected = [reference(pair, p, 6).text for p in prompts]
     answers: dict[int, dict] = {}
@@ -380,7 +398,7 @@ def test_requests_are_served_in_arrival_order(pair: Pair, http: httpx.Client, ca
                                                         "temperature": 0}).json()
 
     threads = [threading.Thread(target=post, args=(i,)) for i in range(len(prompts))]
-    with engine_lock(pair):
+    with hold_target(pair):
         for i, t in enumerate(threads):
             t.start()
             _wait(lambda i=i: _queued(http) == (True, i), f"request {i} to queue")
@@ -402,7 +420,7 @@ def test_full_queue_answers_429(pair: Pair) -> None:
         def post(name: str) -> None:
             results[name] = http.post("/v1/completions", json=body)
 
-        with engine_lock(pair):
+        with hold_target(pair):
             first = threading.Thread(target=post, args=("first",))
             first.start()
             _wait(lambda: http.get("/health").json()["running"], "the first job to start")
@@ -429,7 +447,7 @@ def _cancelled(http: httpx.Client) -> float:
 
 def test_disconnect_cancels_generation(pair: Pair, url: str, http: httpx.Client, caplog) -> None:
     """A stream closed after a few chunks stops its generation early; the next request is served."""
-    caplog.set_level("INFO", logger="speculor.server")
+    caplog.set_level("INFO", logger="speculor.serving.app")
     before, tokens_before = _cancelled(http), metrics(http)[("speculor_generated_tokens_total", ())]
     max_tokens = CONTEXT - 64
     body = {"prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "stream": True}
@@ -475,7 +493,8 @@ def test_metrics(http: httpx.Client) -> None:
 # ------------------------------------------------------------------------------------------- app setup
 
 def test_create_app_and_serve_arguments(pair: Pair, monkeypatch) -> None:
-    from speculor import SpeculorError, server
+    from speculor import SpeculorError
+    from speculor.serving import app as server
 
     with pytest.raises(SpeculorError):
         create_app(pair, strategy="nope")

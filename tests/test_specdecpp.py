@@ -15,24 +15,22 @@ from test_tiny_transformers import WORDS, perturbed, reference_greedy, tiny_qwen
 from toy import exact_law, plain_greedy, random_toy
 from toy import perturbed as toy_perturbed
 
-from speculor import LM, Pair, SamplingConfig, Speculor, SpeculorError, engine, specdecpp
-from speculor.peers import ASSISTANT_SETTINGS, generation_settings, hf_generate
-from speculor.specdecpp import (
+from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine
+from speculor.bench.peers import ASSISTANT_SETTINGS, generation_settings, hf_generate
+from speculor.drafters import specdecpp
+from speculor.drafters.registry import make_strategy
+from speculor.drafters.specdecpp import (
     AcceptanceHead,
-    DataConfig,
-    Features,
     HeadConfig,
     SpecDecPPDrafter,
     StopRule,
-    TrainConfig,
     draft_length,
     load_head,
-    mix,
     save_head,
-    soft_labels,
-    weighted_bce,
 )
-from speculor.strategies import make_drafter
+from speculor.methods import specdecpp_data, specdecpp_train
+from speculor.methods.specdecpp_data import DataConfig, Features, mix, soft_labels
+from speculor.methods.specdecpp_train import TrainConfig, weighted_bce
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,7 +145,7 @@ def test_weighted_optimum_and_its_inverse():
     grid = torch.linspace(0.01, 0.99, 99)
     losses = [float(weighted_bce(torch.tensor([[0.0, math.log(g / (1 - g))]]), y, 6.0)) for g in grid]
     assert abs(float(grid[int(torch.tensor(losses).argmin())]) - float(best)) < 0.011
-    assert torch.allclose(specdecpp.deweight(best, 6.0), y, atol=1e-6)
+    assert torch.allclose(specdecpp_train.deweight(best, 6.0), y, atol=1e-6)
 
 
 # ---------------------------------------------------------------- the stopping rule
@@ -194,7 +192,7 @@ def test_drafter_follows_the_rule_on_scripted_head_outputs(temperature):
     table = [0.9, 0.6, 0.97, 0.8, 0.99, 0.7]
     head = ScriptedHead(table)
     rule = StopRule(0.4, 2, 9)
-    drafter = SpecDecPPDrafter(LM(toy_perturbed(target, seed=1, noise=0.8)), head, 0.4, 2, 9)
+    drafter = SpecDecPPDrafter(Model(toy_perturbed(target, seed=1, noise=0.8)), head, 0.4, 2, 9)
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=2)
     lengths, calls = [], []
     orig = drafter.propose
@@ -208,7 +206,7 @@ def test_drafter_follows_the_rule_on_scripted_head_outputs(temperature):
         return tree
 
     drafter.propose = propose
-    out = [t.id for t in engine.stream(LM(target), drafter, PROMPT, cfg)]
+    out = [t.id for t in engine.stream(Model(target), drafter, PROMPT, cfg)]
     assert len(out) == 40 and len(lengths) >= 5
     assert all(k == want for k, want in lengths)
     assert len({k for k, _ in lengths}) > 1  # the length does vary
@@ -222,8 +220,8 @@ def test_greedy_toy_output_is_plain_greedy_for_any_threshold():
     draft = toy_perturbed(target, seed=1, noise=0.8)
     for h in (0.0, 0.3, 0.9, 1.0):
         for prompt in ([0], [1, 2], [5, 4, 3, 2]):
-            drafter = SpecDecPPDrafter(LM(draft), random_head(V, seed=5, scale=3.0), h, 1, 6)
-            out = [t.id for t in engine.stream(LM(target), drafter, prompt, SamplingConfig(max_new_tokens=17))]
+            drafter = SpecDecPPDrafter(Model(draft), random_head(V, seed=5, scale=3.0), h, 1, 6)
+            out = [t.id for t in engine.stream(Model(target), drafter, prompt, SamplingConfig(max_new_tokens=17))]
             assert out == plain_greedy(target, prompt, 17)
 
 
@@ -231,12 +229,12 @@ def test_first_tokens_follow_the_exact_law():
     """Chi-square on the toy: sampling with a random head's adaptive chains keeps the target's law (T = 1)."""
     target = random_toy(V, seed=0)
     draft = toy_perturbed(target, seed=1, noise=0.8)
-    drafter = SpecDecPPDrafter(LM(draft), random_head(V, seed=7, scale=3.0), 0.5, 1, 4)
-    t_lm, m = LM(target), 3000
+    drafter = SpecDecPPDrafter(Model(draft), random_head(V, seed=7, scale=3.0), 0.5, 1, 4)
+    t_model, m = Model(target), 3000
     counts = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):
         cfg = SamplingConfig(temperature=1.0, max_new_tokens=N, seed=1000 + i)
-        counts[tuple(t.id for t in engine.stream(t_lm, drafter, PROMPT, cfg))] += 1
+        counts[tuple(t.id for t in engine.stream(t_model, drafter, PROMPT, cfg))] += 1
     pvalue, tv, floor = goodness_of_fit(counts, exact_law(target, PROMPT, SamplingConfig(temperature=1.0), N))
     assert pvalue > 1e-3, f"chi-square p-value {pvalue:.2e} (TV {tv:.4f}, noise floor {floor:.4f})"
     assert tv < 2 * floor
@@ -248,7 +246,7 @@ def test_first_tokens_follow_the_exact_law():
 @pytest.fixture(scope="module")
 def tiny_pair() -> Pair:
     target = tiny_qwen2(0)
-    return Pair(LM(target), LM(perturbed(target, 0.1, seed=2)), word_tokenizer(WORDS))
+    return Pair(Model(target), Model(perturbed(target, 0.1, seed=2)), word_tokenizer(WORDS))
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.5, 0.95])
@@ -273,24 +271,24 @@ def test_strategy_registry_with_a_head_file(tiny_pair, tmp_path: Path):
         out = sp.generate([5, 6, 7], cfg, strategy="specdecpp", head=str(path), threshold=0.4, k_max=8)
     assert out.token_ids == plain and out.tau >= 1
     with pytest.raises(SpeculorError, match="threshold"):
-        make_drafter("specdecpp", tiny_pair, head=str(path), threshold=2.0)
+        make_strategy("specdecpp", tiny_pair, head=str(path), threshold=2.0)
     with pytest.raises(SpeculorError, match="no SpecDec"):
-        make_drafter("specdecpp", tiny_pair, head=str(tmp_path / "nope.safetensors"))
+        make_strategy("specdecpp", tiny_pair, head=str(tmp_path / "nope.safetensors"))
     save_head(random_head(16), tmp_path / "small.safetensors", {})
     with pytest.raises(SpeculorError, match="hidden size"):
-        make_drafter("specdecpp", tiny_pair, head=str(tmp_path / "small.safetensors"))
+        make_strategy("specdecpp", tiny_pair, head=str(tmp_path / "small.safetensors"))
 
 
 def test_sequence_features_use_the_mixed_sequence(tiny_pair):
     """Labels are 1 for a draft identical to the target; hidden rows are those of prompt + Z where Z = Y."""
-    same = Pair(tiny_pair.target, LM(tiny_pair.target.model), tiny_pair.tokenizer)
+    same = Pair(tiny_pair.target, tiny_pair.target, tiny_pair.tokenizer)  # one Model in both roles
     cfg = DataConfig(mixing_ratio=0.3)
     prompt, x = [3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14]
-    hidden, labels = specdecpp.sequence_features(same, prompt, x, cfg, torch.Generator().manual_seed(0))
+    hidden, labels = specdecpp_data.sequence_features(same, prompt, x, cfg, torch.Generator().manual_seed(0))
     assert torch.allclose(labels, torch.ones_like(labels), atol=1e-5)
     # replay the generator: Y, then the mix
     g = torch.Generator().manual_seed(0)
-    q_logits = specdecpp.teacher_logits(same.draft, prompt, x)
+    q_logits = specdecpp_data.teacher_logits(same.draft, same.draft.new_cache(), prompt, x)
     y = torch.multinomial(torch.softmax(q_logits, -1), 1, generator=g)[:, 0]
     z, from_y = mix(torch.tensor(x), y, 0.3, g)
     with torch.no_grad():
@@ -300,21 +298,20 @@ def test_sequence_features_use_the_mixed_sequence(tiny_pair):
 
 
 @pytest.mark.parametrize("committed", [0, 4])
-def test_lm_forward_last_gives_the_last_logits_only(tiny_pair, committed):
-    lm, ref = tiny_pair.draft, LM(tiny_pair.draft.model)
+def test_model_forward_last_gives_the_last_logits_only(tiny_pair, committed):
+    model = tiny_pair.draft
+    cache, ref = model.new_cache(), model.new_cache()
     prefix, block = [9, 8, 7, 6], [5, 17, 33, 2, 61]
-    for m in (lm, ref):
-        m.reset()
+    for c in (cache, ref):
         if committed:
-            m.forward(prefix[:committed])
-            m.commit(list(range(committed)))
-    logits, hidden = lm.forward(block, hidden=True, last=True)
-    want_logits, want_hidden = ref.forward(block, hidden=True)
+            model.forward(c, prefix[:committed])
+            c.keep(list(range(committed)))
+    logits, hidden = model.forward(cache, block, hidden=True, last=True)
+    want_logits, want_hidden = model.forward(ref, block, hidden=True)
     assert logits.shape == (1, want_logits.shape[-1])
     assert torch.equal(hidden, want_hidden) and torch.allclose(logits, want_logits[-1:], atol=1e-5)
-    lm.commit(list(range(len(block))))
-    assert lm.length == committed + len(block) and lm.cache.get_seq_length() == lm.length
-    lm.reset()
+    cache.keep(list(range(len(block))))
+    assert cache.length == committed + len(block) and cache.get_seq_length() == cache.length
 
 
 def test_data_config_split_and_validation():
@@ -339,22 +336,22 @@ def synthetic_features(n: int, hidden: int, seed: int) -> Features:
 def test_training_lowers_the_held_out_loss():
     train, held = synthetic_features(2048, 8, 0), synthetic_features(512, 8, 1)
     cfg = TrainConfig(epochs=8, batch_size=128, lr=1e-2)
-    before = specdecpp.evaluate(AcceptanceHead(HeadConfig(8, 3)), held, 6.0)
-    result = specdecpp.train_head(train, held, cfg, progress=False)
-    after = specdecpp.evaluate(result.head, held, 6.0)
+    before = specdecpp_train.evaluate(AcceptanceHead(HeadConfig(8, 3)), held, 6.0)
+    result = specdecpp_train.train_head(train, held, cfg, progress=False)
+    after = specdecpp_train.evaluate(result.head, held, 6.0)
     assert after < 0.8 * before and len(result.history) == 9 and result.best_epoch > 0
     assert result.history[result.best_epoch]["heldout_loss"] == pytest.approx(after, rel=1e-5)
     # epoch 0 is the best constant predictor: P̂ = sum y / (sum y + w sum (1 - y)) everywhere
-    p0 = specdecpp.constant_accept(train.labels, 6.0)
+    p0 = specdecpp_train.constant_accept(train.labels, 6.0)
     const = torch.tensor([[math.log(1 - p0), math.log(p0)]]).expand(len(held), 2)
     assert result.history[0]["heldout_loss"] == pytest.approx(float(weighted_bce(const, held.labels, 6.0)), rel=1e-4)
-    rows = specdecpp.calibration(result.head, held, bins=10)
+    rows = specdecpp_train.calibration(result.head, held, bins=10)
     assert sum(r["count"] for r in rows) == 512
-    assert specdecpp.calibration_error(rows, 6.0) < 0.05  # calibrated against the weighted optimum
+    assert specdecpp_train.calibration_error(rows, 6.0) < 0.05  # calibrated against the weighted optimum
 
 
 def test_lr_schedule():
-    f = [specdecpp.lr_factor(s, 100, 0.1) for s in range(100)]
+    f = [specdecpp_train.lr_factor(s, 100, 0.1) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
     assert f[-1] < 0.01 and all(a >= b for a, b in zip(f[10:], f[11:], strict=False))
 
@@ -372,7 +369,7 @@ def test_thresholds_resolution(tmp_path: Path, monkeypatch):
     assert specdecpp.nearest_temperature([0.0, 0.7], 1.2) == 0.7
     assert specdecpp.nearest_temperature([0.0, 0.7], 0.1) == 0.7  # sampling prefers a sampling entry
     assert specdecpp.nearest_temperature([0.7], 0.0) == 0.7
-    drafter = SpecDecPPDrafter(None, None, {0.0: 0.7, 0.7: 0.2})
+    drafter = SpecDecPPDrafter(Model(random_toy(V)), None, {0.0: 0.7, 0.7: 0.2})  # the rule needs no head
     assert drafter.rule(SamplingConfig()).threshold == 0.7
     assert drafter.rule(SamplingConfig(temperature=1.0)).threshold == 0.2
 

@@ -13,9 +13,9 @@ from toy import ToyLM, exact_law, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
-from speculor.drafters import MergedDrafter, NgramDrafter, TreeDrafter
-from speculor.models import LM
-from speculor.tree import DraftTree, expansion_shape
+from speculor.core.tree import DraftTree, expansion_shape
+from speculor.drafters.base import MergedDrafter, NgramDrafter, TreeDrafter
+from speculor.runtime.model import Model
 
 V = 6
 N = 3  # tokens whose joint law is tested (V**N = 216 cells)
@@ -33,23 +33,24 @@ class SworLabelledIid(TreeDrafter):
 
 
 def drafters(draft: ToyLM) -> dict[str, object]:
+    model = Model(draft)  # weights only: every drafter below has its own draft cache
     return {
-        "expansion": lambda: TreeDrafter(LM(draft), expansion_shape([2, 2])),
+        "expansion": lambda: TreeDrafter(model, expansion_shape([2, 2])),
         # the draft model i.i.d., the same model at T' = 1.7 (its own cache) and prompt lookup, merged by prefix
-        "merged": lambda: MergedDrafter([TreeDrafter(LM(draft), expansion_shape([2, 1])),
-                                         TreeDrafter(LM(draft), expansion_shape([1, 2]), temperature=1.7),
+        "merged": lambda: MergedDrafter([TreeDrafter(model, expansion_shape([2, 1])),
+                                         TreeDrafter(model, expansion_shape([1, 2]), temperature=1.7),
                                          NgramDrafter(2)]),
-        "swor_as_iid": lambda: SworLabelledIid(LM(draft), expansion_shape([3, 1]), "swor"),
+        "swor_as_iid": lambda: SworLabelledIid(model, expansion_shape([3, 1]), "swor"),
     }
 
 
 def counts(target: ToyLM, drafter, prompt: list[int], m: int, seed0: int) -> torch.Tensor:
-    """Counts [V]*N of the first N tokens over m seeded generations (one target LM and drafter reused)."""
-    t_lm = LM(target)
+    """Counts [V]*N of the first N tokens over m seeded generations (one target model and drafter reused)."""
+    t_model = Model(target)
     out = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):
         run = replace(T1, max_new_tokens=N, seed=seed0 + i)
-        out[tuple(t.id for t in engine.stream(t_lm, drafter, prompt, run))] += 1
+        out[tuple(t.id for t in engine.stream(t_model, drafter, prompt, run))] += 1
     return out
 
 
@@ -85,5 +86,5 @@ def test_chi_square_catches_swor_children_verified_as_iid(target, draft):
 @pytest.mark.parametrize("name", ["expansion", "merged"])
 @pytest.mark.parametrize("prompt", [[0], [1, 2], [5, 4, 3, 2], [3, 3, 3]])
 def test_greedy_equals_plain_greedy(target, draft, name, prompt):
-    out = [t.id for t in engine.stream(LM(target), drafters(draft)[name](), prompt, SamplingConfig(max_new_tokens=15))]
+    out = [t.id for t in engine.stream(Model(target), drafters(draft)[name](), prompt, SamplingConfig(max_new_tokens=15))]
     assert out == plain_greedy(target, prompt, 15)

@@ -11,10 +11,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from speculor import LM, Pair, SamplingConfig, Speculor, SpeculorError, engine, load_pair
-from speculor.drafters import ChainDrafter
-from speculor.models import check_same_vocab, load_model
-from speculor.tree import block_parents, path_to
+from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine, load_pair
+from speculor.core.tree import block_parents, path_to
+from speculor.drafters.base import ChainDrafter
+from speculor.runtime.loading import check_same_vocab, load_model
 
 VOCAB = 100
 CONTEXT = 64
@@ -98,11 +98,12 @@ TOKENS = torch.tensor([11, 12, 13, 14, 15, 16, 17, 11])  # node 7 repeats node 0
 
 @pytest.mark.parametrize("prompt", [[5, 7, 9, 11, 13, 2], [30]])
 def test_tree_logits_equal_path_logits(target, prompt):
-    lm = LM(target)
+    model = Model(target)
+    cache = model.new_cache()
     if len(prompt) > 1:
-        lm.forward(prompt[:-1])
-        lm.commit(list(range(len(prompt) - 1)))
-    logits = lm.forward(torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
+        model.forward(cache, prompt[:-1])
+        cache.keep(list(range(len(prompt) - 1)))
+    logits = model.forward(cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
     assert logits.shape == (len(TOKENS) + 1, VOCAB) and logits.dtype == torch.float32
     assert (logits[0] - reference_logits(target, prompt)).abs().max() < 1e-4
     for i in range(len(TOKENS)):
@@ -114,31 +115,34 @@ def test_tree_logits_equal_path_logits(target, prompt):
 @pytest.mark.parametrize("node", [6, 3, 7, 0])
 def test_commit_of_a_non_prefix_path(target, node):
     prompt = [5, 7, 9, 11, 13, 2]
-    lm = LM(target)
-    lm.forward(prompt[:-1])
-    lm.commit(list(range(len(prompt) - 1)))
-    lm.forward(torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
+    model = Model(target)
+    cache = model.new_cache()
+    model.forward(cache, prompt[:-1])
+    cache.keep(list(range(len(prompt) - 1)))
+    model.forward(cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
     path = path_to(PARENTS, node)
-    lm.commit([0] + [j + 1 for j in path])
+    cache.keep([0] + [j + 1 for j in path])
     committed = prompt + [int(TOKENS[j]) for j in path]
-    assert lm.length == len(committed) and lm.cache.get_seq_length() == len(committed)
+    assert cache.length == len(committed) and cache.get_seq_length() == len(committed)
     nxt = [40, 41, 42]
-    logits = lm.forward(nxt)
+    logits = model.forward(cache, nxt)
     for i in range(len(nxt)):
         ref = reference_logits(target, committed + nxt[: i + 1])
         assert (logits[i] - ref).abs().max() < 1e-4
 
 
 def test_forward_drops_uncommitted_entries_and_returns_hidden(target):
-    lm = LM(target)
-    lm.forward([3, 4, 5])
-    lm.commit([0, 1, 2])
-    lm.forward([6, 7, 8, 9])  # never committed: the next forward must not see it
-    logits, hidden = lm.forward([10], hidden=True)
+    model = Model(target)
+    cache = model.new_cache()
+    model.forward(cache, [3, 4, 5])
+    cache.keep([0, 1, 2])
+    model.forward(cache, [6, 7, 8, 9])  # never committed: the next forward must not see it
+    logits, hidden = model.forward(cache, [10], hidden=True)
     assert hidden.shape == (1, target.config.hidden_size)
     assert (logits[0] - reference_logits(target, [3, 4, 5, 10])).abs().max() < 1e-4
-    lm.truncate(2)
-    assert lm.length == 2 and (lm.forward([9])[0] - reference_logits(target, [3, 4, 9])).abs().max() < 1e-4
+    cache.trim(2)
+    assert cache.length == 2
+    assert (model.forward(cache, [9])[0] - reference_logits(target, [3, 4, 9])).abs().max() < 1e-4
 
 
 # ---------------------------------------------------------------- (b) speculative greedy == plain greedy
@@ -148,23 +152,23 @@ def test_forward_drops_uncommitted_entries_and_returns_hidden(target):
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_speculative_greedy_equals_plain_greedy(target, drafts, which, k):
     cfg = SamplingConfig(max_new_tokens=16)
-    t_lm, d_lm = LM(target), LM(drafts[which], vocab_size=VOCAB)
+    t_model, d_model = Model(target), Model(drafts[which], vocab_size=VOCAB)
     for prompt in PROMPTS:
-        plain = [t.id for t in engine.stream(t_lm, None, prompt, cfg)]
-        spec = [t.id for t in engine.stream(t_lm, ChainDrafter(d_lm, k), prompt, cfg)]
+        plain = [t.id for t in engine.stream(t_model, None, prompt, cfg)]
+        spec = [t.id for t in engine.stream(t_model, ChainDrafter(d_model, k), prompt, cfg)]
         assert spec == plain, f"prompt {prompt}"
         assert plain == reference_greedy(target, prompt, 16)
 
 
 def test_near_draft_exercises_partial_acceptance(target, drafts):
     stats = engine.Stats()
-    list(engine.stream(LM(target), ChainDrafter(LM(drafts["near"]), 3), PROMPTS[0], SamplingConfig(max_new_tokens=40),
+    list(engine.stream(Model(target), ChainDrafter(Model(drafts["near"]), 3), PROMPTS[0], SamplingConfig(max_new_tokens=40),
                        stats=stats))
     assert {0, 3} <= {s.accepted for s in stats.steps} and len({s.accepted for s in stats.steps}) >= 3
 
 
 def test_speculor_api_generates_the_greedy_tokens(target, drafts, tokenizer):
-    pair = Pair(LM(target), LM(drafts["near"]), tokenizer)
+    pair = Pair(Model(target), Model(drafts["near"]), tokenizer)
     out = Speculor(pair, k=3).generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, PROMPTS[0], 12)
     assert out.finish_reason == "length" and out.tau >= 1
@@ -179,8 +183,9 @@ def test_speculor_api_generates_the_greedy_tokens(target, drafts, tokenizer):
 def test_self_draft_accepts_every_token(target, k):
     stats = engine.Stats()
     n = 15
-    drafter = ChainDrafter(LM(target), k)  # the same weights, its own cache
-    out = list(engine.stream(LM(target), drafter, PROMPTS[0], SamplingConfig(max_new_tokens=n), stats=stats))
+    model = Model(target)
+    drafter = ChainDrafter(model, k)  # the same model, its own cache
+    out = list(engine.stream(model, drafter, PROMPTS[0], SamplingConfig(max_new_tokens=n), stats=stats))
     assert [t.id for t in out] == reference_greedy(target, PROMPTS[0], n)
     steps = [s.accepted for s in stats.steps]
     assert steps[:-1] == [k] * (len(steps) - 1), steps  # tau = K + 1 on every full step
@@ -193,7 +198,7 @@ def test_self_draft_accepts_every_token(target, k):
 
 @pytest.fixture(scope="module")
 def speculor_pair(target, drafts, tokenizer) -> Pair:
-    return Pair(LM(target), LM(drafts["near"]), tokenizer, "tiny-target", "tiny-draft")
+    return Pair(Model(target), Model(drafts["near"]), tokenizer, "tiny-target", "tiny-draft")
 
 
 @pytest.mark.parametrize("prompt", [[], "", "   \n"])
@@ -236,15 +241,15 @@ def nan_copy(model):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_nan_logits(target, drafts, tokenizer, which, temperature):
-    bad, good = LM(nan_copy(target)), LM(drafts["near"])
-    pair = Pair(bad, good, tokenizer) if which == "target" else Pair(LM(target), bad, tokenizer)
+    bad, good = Model(nan_copy(target)), Model(drafts["near"])
+    pair = Pair(bad, good, tokenizer) if which == "target" else Pair(Model(target), bad, tokenizer)
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=4, seed=0)
     with pytest.raises(SpeculorError, match=f"{which} model produced NaN"):
         Speculor(pair, k=2).generate([1, 2, 3], cfg)
 
 
 def test_nan_target_in_plain_decoding(target, tokenizer):
-    pair = Pair(LM(nan_copy(target)), None, tokenizer)
+    pair = Pair(Model(nan_copy(target)), None, tokenizer)
     with pytest.raises(SpeculorError, match="NaN"):
         Speculor(pair, strategy="plain").generate([1, 2, 3], SamplingConfig(max_new_tokens=4))
 
@@ -264,7 +269,7 @@ def test_bad_k(speculor_pair, k):
 
 
 def test_bad_option_and_missing_draft(speculor_pair, tokenizer):
-    with pytest.raises(SpeculorError, match="bad options"):
+    with pytest.raises(SpeculorError, match="takes no option 'depth'"):
         Speculor(speculor_pair, strategy="chain", depth=3)
     with pytest.raises(SpeculorError, match="needs a draft"):
         Speculor(Pair(speculor_pair.target, None, tokenizer), strategy="chain")

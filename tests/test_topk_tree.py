@@ -12,9 +12,9 @@ from toy import exact_law, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
+from speculor.drafters.topk_tree import Pool, TopkOptions, TopkTreeDrafter, rank, select
 from speculor.errors import SpeculorError
-from speculor.models import LM
-from speculor.topk_tree import Pool, TopkOptions, TopkTreeDrafter, rank, select
+from speculor.runtime.model import Model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,7 +30,7 @@ def test_rank_breaks_ties_toward_shallower_nodes():
 def test_tree_on_a_crafted_draft():
     """By hand (root token 0, k = 2, depth 3, budget 5): depth 1 {1: .55, 2: .35}; fed both -> under 1 {0: .2475,
     2: .22}, under 2 {3: .14, 2: .105}; fed the best two, 1-0 and 1-2 -> values <= .136; top 5 of the pool."""
-    drafter = TopkTreeDrafter(LM(CRAFTED), TopkOptions(budget=5, depth=3, k=2))
+    drafter = TopkTreeDrafter(Model(CRAFTED), TopkOptions(budget=5, depth=3, k=2))
     tree = drafter.propose([3, 0], SamplingConfig(), None)
     assert tree.tokens.tolist() == [1, 2, 0, 2, 3] and tree.parents.tolist() == [-1, -1, 0, 0, 1]
     assert torch.tensor(drafter.values).exp().tolist() == pytest.approx([0.55, 0.35, 0.2475, 0.22, 0.14], abs=1e-6)
@@ -41,14 +41,14 @@ def test_tree_on_a_crafted_draft():
 def test_certain_draft_keeps_the_tree_connected():
     """A draft that is certain after every token (confidence exactly 1, log value ties) stays a connected tree."""
     certain = first_order([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
-    drafter = TopkTreeDrafter(LM(certain), TopkOptions(budget=4, depth=6, k=3))
+    drafter = TopkTreeDrafter(Model(certain), TopkOptions(budget=4, depth=6, k=3))
     tree = drafter.propose([2, 3], SamplingConfig(), None)
     assert tree.tokens.tolist() == [0, 1, 2, 3] and tree.parents.tolist() == [-1, 0, 1, 2]
     assert drafter.values == [0.0] * 4
 
 
 def test_unfed_when_no_child_can_be_selected(draft):
-    drafter = TopkTreeDrafter(LM(draft), TopkOptions(budget=2, depth=6, k=3))
+    drafter = TopkTreeDrafter(Model(draft), TopkOptions(budget=2, depth=6, k=3))
     tree = drafter.propose([1, 2], SamplingConfig(), None)
     assert len(tree) == 2 and drafter.forwards <= 2
 
@@ -57,14 +57,14 @@ def test_unfed_when_no_child_can_be_selected(draft):
 @pytest.mark.parametrize("prompt", [[0], [1, 2], [5, 4, 3, 2]])
 def test_greedy_equals_plain_greedy(target, draft, opts, prompt):
     stats = engine.Stats()
-    out = [t.id for t in engine.stream(LM(target), TopkTreeDrafter(LM(draft), opts), prompt,
+    out = [t.id for t in engine.stream(Model(target), TopkTreeDrafter(Model(draft), opts), prompt,
                                        SamplingConfig(max_new_tokens=15), stats=stats)]
     assert out == plain_greedy(target, prompt, 15)
     assert all(s.drafted <= opts.budget for s in stats.steps)
 
 
 def test_topk_tree_follows_the_exact_law(target, draft):
-    drafter = TopkTreeDrafter(LM(draft), TopkOptions(budget=6, depth=3, k=2))
+    drafter = TopkTreeDrafter(Model(draft), TopkOptions(budget=6, depth=3, k=2))
     pvalue, tv, floor = goodness_of_fit(counts(target, drafter, [1, 2], 1500, 300), exact_law(target, [1, 2], T1, 3))
     assert pvalue > 1e-3, f"chi-square p-value {pvalue:.2e}, TV {tv:.4f}"
     assert tv < 2 * floor, f"TV {tv:.4f} vs noise floor {floor:.4f}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculor.tree import DraftTree, ancestors, attention_mask, block_parents, depths, path_to, position_ids
+from speculor.core.tree import DraftTree, ancestors, attention_mask, block_parents, depths, path_to, position_ids
 
 #        root
 #       /    \       \

@@ -1,5 +1,5 @@
 """Tree drafting on tiny random transformers Qwen2 models (fp32, CPU, no download): the pending-region forward of
-`LM`, `TreeDrafter`'s per-depth logits against plain forwards over each node's root path (also after commits),
+`Model` into a `KVCache`, `TreeDrafter`'s per-depth logits against plain forwards over each node's root path (also after commits),
 greedy output of `specinfer` / merged / `ngram` equal to plain greedy, and bad options."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from speculor import LM, Pair, SamplingConfig, Speculor, SpeculorError, engine
-from speculor.drafters import MergedDrafter, NgramDrafter, TreeDrafter
-from speculor.specinfer import make_specinfer
-from speculor.tree import expansion_shape, path_to
+from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine
+from speculor.core.tree import expansion_shape, path_to
+from speculor.drafters.base import MergedDrafter, NgramDrafter, TreeDrafter
+from speculor.drafters.specinfer import make_specinfer
 
 VOCAB = 64
 PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 8, 7, 8, 7, 8, 7], [9, 0, 13, 56, 21, 8, 3, 13, 56]]
@@ -60,22 +60,23 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-# ---------------------------------------------------------------- LM: a tree grown one depth per forward
+# ---------------------------------------------------------------- Model: a tree grown one depth per forward
 
 
 def test_appended_depths_equal_path_forwards(target):
     """Depth by depth into the pending region; every row equals a plain forward over its root path, also after a
     commit of a non-prefix path and a second round on the compacted cache."""
-    lm = LM(target)
+    model = Model(target)
+    cache = model.new_cache()
     seq = [5, 7, 9, 11, 13, 2]
-    lm.forward(seq)
-    lm.commit(list(range(len(seq))))
+    model.forward(cache, seq)
+    cache.keep(list(range(len(seq))))
     for _ in range(2):
         # depth 1: region rows 0, 1, 2 (two of them the same token); depth 2: rows 3..5; depth 3: row 6
         blocks = [([20, 21, 20], [-1, -1, -1]), ([30, 31, 32], [0, 0, 2]), ([40], [5])]
         region_tokens, region_parents = [], []
         for tokens, parents in blocks:
-            logits = lm.forward(tokens, torch.tensor(parents), append=True)
+            logits = model.forward(cache, tokens, torch.tensor(parents), append=True)
             region_tokens += tokens
             region_parents += parents
             base = len(region_tokens) - len(tokens)
@@ -83,24 +84,25 @@ def test_appended_depths_equal_path_forwards(target):
                 path = [region_tokens[j] for j in path_to(torch.tensor(region_parents), base + i)]
                 diff = (logits[i] - reference_logits(target, seq + path)).abs().max()
                 assert diff < 1e-4, f"row {base + i} (path {path}): max abs diff {diff:.2e}"
-        assert lm.length == len(seq) and len(lm.pending) == 7
-        lm.commit([2, 5, 6])  # keep the path 20 -> 32 -> 40 (rows 2, 5, 6)
+        assert cache.length == len(seq) and len(cache.pending) == 7
+        cache.keep([2, 5, 6])  # keep the path 20 -> 32 -> 40 (rows 2, 5, 6)
         seq = seq + [20, 32, 40]
-        assert lm.length == len(seq) == lm.cache.get_seq_length() and len(lm.pending) == 0
-    assert (lm.forward([3])[0] - reference_logits(target, seq + [3])).abs().max() < 1e-4
+        assert cache.length == len(seq) == cache.get_seq_length() and len(cache.pending) == 0
+    assert (model.forward(cache, [3])[0] - reference_logits(target, seq + [3])).abs().max() < 1e-4
 
 
 def test_plain_forward_drops_the_pending_region(target):
-    lm = LM(target)
-    lm.forward([3, 4, 5])
-    lm.commit([0, 1, 2])
-    lm.forward([6, 7], append=True)
-    lm.forward([8], append=True)  # parents=None with append: continues the last pending entry
-    assert len(lm.pending) == 3 and lm.pending.tolist() == [-1, 0, 1]
-    logits = lm.forward([9])  # append=False: a fresh block after the committed cache
-    assert len(lm.pending) == 1 and (logits[0] - reference_logits(target, [3, 4, 5, 9])).abs().max() < 1e-4
-    lm.truncate(2)
-    assert lm.length == 2 and len(lm.pending) == 0
+    model = Model(target)
+    cache = model.new_cache()
+    model.forward(cache, [3, 4, 5])
+    cache.keep([0, 1, 2])
+    model.forward(cache, [6, 7], append=True)
+    model.forward(cache, [8], append=True)  # parents=None with append: continues the last pending entry
+    assert len(cache.pending) == 3 and cache.pending.tolist() == [-1, 0, 1]
+    logits = model.forward(cache, [9])  # append=False: a fresh block after the committed cache
+    assert len(cache.pending) == 1 and (logits[0] - reference_logits(target, [3, 4, 5, 9])).abs().max() < 1e-4
+    cache.trim(2)
+    assert cache.length == 2 and len(cache.pending) == 0
 
 
 # ---------------------------------------------------------------- TreeDrafter
@@ -139,25 +141,25 @@ class Checked:
 @pytest.mark.parametrize("draw", ["iid", "swor"])
 def test_tree_drafter_logits_equal_path_forwards(target, draft, draw):
     shape = expansion_shape([2, 2, 1])
-    drafter = Checked(TreeDrafter(LM(draft), shape, draw), draft)
+    drafter = Checked(TreeDrafter(Model(draft), shape, draw), draft)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=1)
     stats = engine.Stats()
-    out = list(engine.stream(LM(target), drafter, PROMPTS[0], cfg, stats=stats))
+    out = list(engine.stream(Model(target), drafter, PROMPTS[0], cfg, stats=stats))
     assert len(out) == 24 and drafter.proposals == len(stats.steps) >= 4
     assert any(s.accepted >= 2 for s in stats.steps)  # commits of accepted paths happened between proposals
 
 
 def test_tree_drafter_siblings(draft):
-    lm = LM(draft)
+    model = Model(draft)
     g = torch.Generator().manual_seed(0)
-    greedy = TreeDrafter(lm, [-1, -1, -1, 0, 0]).propose([1, 2, 3], SamplingConfig(), g)
+    greedy = TreeDrafter(model, [-1, -1, -1, 0, 0]).propose([1, 2, 3], SamplingConfig(), g)
     top = torch.topk(reference_logits(draft, [1, 2, 3]), 3).indices.tolist()
     assert greedy.tokens[:3].tolist() == top and greedy.draw == "point" and greedy.q is None
     assert len(set(greedy.tokens[3:].tolist())) == 2
     # SWOR: distinct siblings; with top_k = 2 the support has 2 tokens, so the third root child and its
     # subtree are left out
     cfg = SamplingConfig(temperature=1.0, top_k=2)
-    swor = TreeDrafter(lm, [-1, -1, -1, 2, 0, 1, 1], "swor").propose([1, 2, 3], cfg, g)
+    swor = TreeDrafter(model, [-1, -1, -1, 2, 0, 1, 1], "swor").propose([1, 2, 3], cfg, g)
     assert swor.parents.tolist() == [-1, -1, 0, 1, 1] and swor.draw == "swor"
     assert len(set(swor.tokens[:2].tolist())) == 2 and set(swor.tokens[:2].tolist()) == set(top[:2])
     assert swor.tokens[3] != swor.tokens[4]
@@ -166,42 +168,43 @@ def test_tree_drafter_siblings(draft):
 def test_tree_drafter_refuses_bad_arguments(draft):
     for kwargs in ({"draw": "point"}, {"temperature": 0}, {"temperature": "hot"}):
         with pytest.raises(SpeculorError):
-            TreeDrafter(LM(draft), [-1, 0], **kwargs)
+            TreeDrafter(Model(draft), [-1, 0], **kwargs)
     for shape in ([], [0], [-1, 2, 0]):
         with pytest.raises(SpeculorError):
-            TreeDrafter(LM(draft), shape)
+            TreeDrafter(Model(draft), shape)
 
 
 # ---------------------------------------------------------------- greedy output equals plain greedy
 
 
-def strategies(draft_lm: LM) -> dict[str, object]:
-    shared = LM(draft_lm.model)
-    return {
-        "paper": TreeDrafter(draft_lm, expansion_shape([1, 1, 3, 1, 1, 1, 1, 1])),
-        "wide": TreeDrafter(draft_lm, expansion_shape([3, 2, 1]), "swor"),
-        "merged": MergedDrafter([TreeDrafter(draft_lm, expansion_shape([2, 1])),
-                                 TreeDrafter(shared, expansion_shape([1, 2]), temperature=1.5), NgramDrafter(3)]),
+def strategies(draft_model: Model) -> dict[str, object]:
+    return {  # every drafter, the two merged ones included, has its own cache on the one shared model
+        "paper": TreeDrafter(draft_model, expansion_shape([1, 1, 3, 1, 1, 1, 1, 1])),
+        "wide": TreeDrafter(draft_model, expansion_shape([3, 2, 1]), "swor"),
+        "merged": MergedDrafter([TreeDrafter(draft_model, expansion_shape([2, 1])),
+                                 TreeDrafter(draft_model, expansion_shape([1, 2]), temperature=1.5),
+                                 NgramDrafter(3)]),
         "ngram": NgramDrafter(4, branches=2),
     }
 
 
 @pytest.mark.parametrize("name", ["paper", "wide", "merged", "ngram"])
 def test_greedy_equals_plain_greedy(target, draft, name):
-    t_lm = LM(target)
-    drafter = strategies(LM(draft))[name]
+    t_model = Model(target)
+    drafter = strategies(Model(draft))[name]
     cfg = SamplingConfig(max_new_tokens=20)
     for prompt in PROMPTS:
         stats = engine.Stats()
-        spec = [t.id for t in engine.stream(t_lm, drafter, prompt, cfg, stats=stats)]
+        spec = [t.id for t in engine.stream(t_model, drafter, prompt, cfg, stats=stats)]
         assert spec == reference_greedy(target, prompt, 20), f"prompt {prompt}"
         assert stats.tau >= 1
 
 
 def test_self_draft_tree_accepts_a_full_path(target):
     stats = engine.Stats()
-    drafter = TreeDrafter(LM(target), expansion_shape([2, 1, 1]))  # the same weights: every path is greedy
-    out = list(engine.stream(LM(target), drafter, PROMPTS[0], SamplingConfig(max_new_tokens=16), stats=stats))
+    model = Model(target)
+    drafter = TreeDrafter(model, expansion_shape([2, 1, 1]))  # the same model (own cache): every path is greedy
+    out = list(engine.stream(model, drafter, PROMPTS[0], SamplingConfig(max_new_tokens=16), stats=stats))
     assert [t.id for t in out] == reference_greedy(target, PROMPTS[0], 16)
     assert [s.accepted for s in stats.steps] == [3] * 4 and [s.draft_forwards for s in stats.steps] == [3] * 4
 
@@ -213,7 +216,7 @@ def test_self_draft_tree_accepts_a_full_path(target):
 def pair(target, draft) -> Pair:
     words = {f"w{i}": i for i in range(VOCAB)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")))
-    return Pair(LM(target), LM(draft), tokenizer, "tiny-target", "tiny-draft")
+    return Pair(Model(target), Model(draft), tokenizer, "tiny-target", "tiny-draft")
 
 
 @pytest.mark.parametrize("options", [{}, {"expansion": "2-1-1"}, {"expansion": (2, 2)}, {"expansion": 3},
@@ -226,12 +229,12 @@ def test_specinfer_strategy_greedy(pair, target, options):
 
 
 def test_specinfer_builds_what_it_says(pair):
-    paper = make_specinfer(pair)
+    paper = make_specinfer(pair).drafter()
     assert isinstance(paper, TreeDrafter) and paper.shape == expansion_shape([1, 1, 3, 1, 1, 1, 1, 1])
-    merged = make_specinfer(pair, expansion="2-1", drafters="draft+draft@0.5+ngram")
+    merged = make_specinfer(pair, expansion="2-1", drafters="draft+draft@0.5+ngram").drafter()
     assert isinstance(merged, MergedDrafter)
     a, b, c = merged.drafters
-    assert a.lm is pair.draft and b.lm is not pair.draft and b.lm.model is pair.draft.model  # own cache
+    assert a.model is pair.draft and b.model is pair.draft and a.cache is not b.cache  # own cache
     assert (a.temperature, b.temperature) == (None, 0.5) and isinstance(c, NgramDrafter) and c.k == 2
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import defaultdict
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from speculor.drafters import ngram_continuations
-from speculor.errors import SpeculorError
-from speculor.sampling import draw_iid, draw_swor, top_tokens
-from speculor.tree import (
+from speculor.core.sampling import draw_iid, draw_swor, top_tokens
+from speculor.core.tree import (
     DraftTree,
     chain_shape,
     check_shape,
@@ -19,6 +21,8 @@ from speculor.tree import (
     paths_shape,
     shape_levels,
 )
+from speculor.drafters.base import ngram_continuations
+from speculor.errors import SpeculorError
 
 # ---------------------------------------------------------------- shapes
 
@@ -184,3 +188,65 @@ def test_iid_draws_and_top_tokens():
     assert draw_iid(q, 4, torch.Generator().manual_seed(0)) == [1, 1, 1, 1]  # repeats are kept
     logits = torch.tensor([0.5, float("-inf"), 2.0, 1.0])
     assert top_tokens(logits, 2) == [2, 3] and top_tokens(logits, 9) == [2, 3, 0]
+
+
+# ---------------------------------------------------------------- nested merges keep their sources' draw groups
+
+
+def _nested_case() -> tuple[DraftTree, DraftTree]:
+    """The minimal case: an i.i.d. draw of token 1 and a SWOR sequence (1, 0), both from q = [0.5, 0.3, 0.2]."""
+    q = torch.tensor([0.5, 0.3, 0.2])
+    iid = DraftTree(torch.tensor([1]), torch.tensor([-1]), q[None], "iid")
+    swor = DraftTree(torch.tensor([1, 0]), torch.tensor([-1, -1]), torch.stack([q, q]), "swor")
+    return iid, swor
+
+
+def test_merge_of_a_merged_tree_keeps_its_groups():
+    iid, swor = _nested_case()
+    inner = merge([iid, swor]).tree
+    outer = merge([inner]).tree
+    assert inner.groups.tolist() == [0, 1, 1]
+    assert outer.groups.tolist() == [0, 1, 1] and outer.kinds == inner.kinds
+    assert outer.tokens.tolist() == inner.tokens.tolist()
+    nested = merge([merge([inner]).tree, DraftTree(torch.tensor([2]), torch.tensor([-1]), None, "point")]).tree
+    g = nested.groups.tolist()
+    assert g[0] != g[1] == g[2] != g[3] and g[0] != g[3]  # iid | swor sequence | point: three draw sequences
+
+
+def test_merge_of_a_merged_tree_verifies_exactly():
+    """Exact enumeration: one step verifying merge([merge([iid, swor]), point]) emits tokens with p's law, and
+    the old labelling (every child of a merged source in one group) is caught as biased or refused."""
+    from test_verify import EXACT, Tables, as_tensor, l1, real_law, source_outcomes, target_law, tree_p
+
+    from speculor.core.verify import verify_sampled
+
+    iid, swor = _nested_case()
+    p = torch.tensor([[0.2, 0.0, 0.8]] + [[1 / 3] * 3] * 3)
+    with pytest.raises(ValueError, match="mislabelled"):  # what the flattened groups did (the reported bug)
+        bad = merge([merge([iid, swor]).tree]).tree
+        verify_sampled(DraftTree(bad.tokens, bad.parents, bad.q, bad.draw, bad.kinds, torch.zeros(3, dtype=torch.long)),
+                       p, torch.Generator().manual_seed(0))
+    for seed in (230, 231):
+        a, b, c = (Tables("random", 4, seed=seed + i) for i in range(3))
+        sources = [(a.q, (2,), "iid"), (b.q, (2,), "swor"), (c.q, (1,), "point")]
+        outcomes = [(math.prod(w for _, w in combo), [tr for tr, _ in combo])
+                    for combo in itertools.product(*(list(source_outcomes(*s)) for s in sources))]
+        law: dict[tuple[int, ...], float] = defaultdict(float)
+        for weight, trees in outcomes:
+            nested = merge([merge(trees[:2]).tree, trees[2]]).tree
+            for out, prob in real_law(nested, tree_p(a, nested)).items():
+                law[out] += weight * prob
+        assert l1(as_tensor(law, a, 2), target_law(a, 2)) < EXACT
+        flat_law: dict[tuple[int, ...], float] = defaultdict(float)
+        try:
+            for weight, trees in outcomes:
+                nested = merge([merge(trees[:2]).tree, trees[2]]).tree
+                # the old labelling: one group per source node, i.e. every child of the merged source in one
+                point = nested.kinds is not None and nested.kinds[-1] == "point"
+                old = (nested.groups == nested.groups[-1]).long() if point else torch.zeros_like(nested.groups)
+                flat = DraftTree(nested.tokens, nested.parents, nested.q, nested.draw, nested.kinds, old)
+                for out, prob in real_law(flat, tree_p(a, flat)).items():
+                    flat_law[out] += weight * prob
+        except ValueError:
+            continue  # refused as mislabelled: caught
+        assert l1(as_tensor(flat_law, a, 2), target_law(a, 2)) > 1e-3

@@ -5,7 +5,7 @@ Notation of the papers: p is the target distribution, q the draft's; d_j the law
 Two independent computations of a verifier's output law are used:
   * `mirror_*`: an analytic float64 re-statement of the rule (every draft draw enumerated with its probability,
     the accept / reject branches weighted by min(1, r/d) and 1 - min(1, r/d));
-  * `real_law`: the law of `speculor.verify.verify_sampled` itself, obtained by running it on every branch of its
+  * `real_law`: the law of `speculor.core.verify.verify_sampled` itself, obtained by running it on every branch of its
     random choices: each uniform u is scripted just below (accept) or just above (reject) the threshold r[x]/d[x]
     read from the residual and draw law the code was using, the branch weighted by the exact probability
     P(u·d[x] < r[x]) = min(1, r[x]/d[x]), and the final `sample(r)` replaced by the whole distribution r.
@@ -21,11 +21,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import speculor.verify as verify
+import speculor.core.verify as verify
 from speculor.config import SamplingConfig
-from speculor.sampling import warp
-from speculor.tree import DraftTree, merge, path_to
-from speculor.verify import Verdict, accept_at_node, verify_greedy, verify_sampled
+from speculor.core.sampling import warp
+from speculor.core.tree import DraftTree, merge, path_to
+from speculor.core.verify import Verdict, accept_at_node, verify_greedy, verify_sampled
 
 F64 = torch.float64
 EXACT = 1e-12

@@ -1,10 +1,12 @@
-"""A hand-made toy causal LM that plugs into `speculor.models.LM` like a transformers model, and its exact law.
+"""A hand-made toy causal LM that plugs into `speculor.runtime.model.Model` like a transformers model, and its exact
+law.
 
 The toy is a second-order Markov chain over a small vocabulary V:
 
     logits(next | ..., x_{t-2}, x_{t-1}) = A[x_{t-1}] + B[x_{t-2}]      (B_start instead when x_{t-2} does not exist)
 
-It keeps its context in the `DynamicCache` (token ids stored as float keys/values of shape [1, 1, S, 1]) and reads
+It keeps its context in the request's KV cache (a `speculor.runtime.cache.KVCache`; token ids stored as float
+keys/values of shape [1, 1, S, 1]) and reads
 the 4-D additive attention mask to find, for every query row, the entries it attends to (in index order: the cached
 prefix, then the row's ancestors, then the row itself). A token tree is therefore scored in each node's true context,
 and any mask, position or cache bug in the engine changes the toy's output. The toy also asserts that every row's
@@ -17,10 +19,11 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
 
 from speculor.config import SamplingConfig
-from speculor.sampling import greedy, warp
+from speculor.core.sampling import greedy, warp
 
 
 class ToyConfig(PretrainedConfig):
@@ -29,7 +32,7 @@ class ToyConfig(PretrainedConfig):
     def __init__(self, vocab_size: int = 6, max_position_embeddings: int = 4096, **kwargs) -> None:
         self.vocab_size = vocab_size
         self.max_position_embeddings = max_position_embeddings
-        self.num_hidden_layers = 1  # one cache layer for DynamicCache(config=...)
+        self.num_hidden_layers = 1  # one cache layer
         super().__init__(**kwargs)
 
 
@@ -75,7 +78,7 @@ class ToyLM(torch.nn.Module):
         return self.a[ctx[-1]] + second
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values: DynamicCache | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values: Cache | None = None,
                 use_cache: bool = True, output_hidden_states: bool = False, **kwargs) -> ToyOutput:
         self.calls += 1
         n = input_ids.shape[1]

@@ -1,10 +1,22 @@
-"""speculor: lossless speculative decoding with token trees and graphs."""
+"""speculor: lossless speculative decoding with token trees and graphs.
 
-from speculor.api import Generation, Speculor
-from speculor.config import SamplingConfig
-from speculor.errors import SpeculorError
-from speculor.models import LM, Pair, load_pair
-from speculor.tree import DraftTree
+The names below are imported on first use (PEP 562), so `import speculor` and `speculor --help` do not load
+torch or transformers.
+"""
 
-__all__ = ["DraftTree", "Generation", "LM", "Pair", "SamplingConfig", "Speculor", "SpeculorError", "load_pair"]
+from importlib import import_module
+
+__all__ = ["DraftTree", "Generation", "KVCache", "Model", "Pair", "SamplingConfig", "Speculor", "SpeculorError",
+           "load_pair"]
 __version__ = "0.1.0"
+
+_WHERE = {"Generation": "speculor.api", "Speculor": "speculor.api", "SamplingConfig": "speculor.config",
+          "SpeculorError": "speculor.errors", "Model": "speculor.runtime.model", "KVCache": "speculor.runtime.cache",
+          "Pair": "speculor.runtime.loading", "load_pair": "speculor.runtime.loading",
+          "DraftTree": "speculor.core.tree"}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'speculor' has no attribute {name!r}")

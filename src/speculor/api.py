@@ -15,9 +15,10 @@ from typing import Any
 
 from speculor import engine
 from speculor.config import SamplingConfig
+from speculor.drafters.base import Strategy
+from speculor.drafters.registry import make_strategy
 from speculor.errors import SpeculorError
-from speculor.models import Pair
-from speculor.strategies import make_drafter
+from speculor.runtime.loading import Pair
 
 
 @dataclass
@@ -38,11 +39,16 @@ class Generation:
 
 
 class Speculor:
-    """A model pair with a default strategy; every call may name another strategy and its options."""
+    """A model pair with a default strategy; every call may name another strategy and its options.
+
+    A strategy's shared part (its plans, cost model, head) is built once per (name, options) and kept; every
+    generation gets a fresh drafter from it, with its own caches: generations never share request state.
+    """
 
     def __init__(self, pair: Pair, strategy: str = "chain", **options: Any) -> None:
         self.pair, self.strategy, self.options = pair, strategy, options
-        make_drafter(strategy, pair, **options)  # validate now
+        self._strategies: dict[tuple[str, str], Strategy | None] = {}
+        self.strategy_for(strategy, **options)  # validate now
         gen_cfg = getattr(pair.target.model, "generation_config", None)
         ids = getattr(gen_cfg, "eos_token_id", None)
         ids = [ids] if isinstance(ids, int) else list(ids or [])
@@ -64,12 +70,25 @@ class Speculor:
         text = self.pair.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.pair.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def strategy_for(self, name: str, **options: Any) -> Strategy | None:
+        """The shared part of strategy `name` with `options` (built on first use; SpeculorError if invalid)."""
+        key = (name, repr(sorted(options.items())))
+        if key not in self._strategies:
+            self._strategies[key] = make_strategy(name, self.pair, **options)
+        return self._strategies[key]
+
+    def options_for(self, strategy: str | None, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(name, options) of a call: the named strategy with the given options, or the default one with its
+        options overridden by the given ones."""
+        return (strategy, options) if strategy else (self.strategy, {**self.options, **options})
+
     def tokens(self, prompt: str | list[int], cfg: SamplingConfig, *, chat: bool = False,
                strategy: str | None = None, stats: engine.Stats | None = None,
                **options: Any) -> Iterator[engine.Token]:
         """Token events of one generation (no stop-string handling)."""
-        name = strategy or self.strategy
-        drafter = make_drafter(name, self.pair, **(options if strategy else {**self.options, **options}))
+        name, opts = self.options_for(strategy, options)
+        shared = self.strategy_for(name, **opts)
+        drafter = shared.drafter() if shared is not None else None
         return engine.stream(self.pair.target, drafter, self.encode(prompt, chat), cfg, self.eos_ids, stats)
 
     def stream_text(self, prompt: str | list[int], cfg: SamplingConfig, *, chat: bool = False,

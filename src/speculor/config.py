@@ -8,6 +8,15 @@ from dataclasses import dataclass
 from speculor.errors import SpeculorError
 
 
+def is_int(x: object) -> bool:
+    """An int that is not a bool (options are validated with this and `is_num`)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen. temperature 0 means greedy decoding (argmax, lowest id on ties).

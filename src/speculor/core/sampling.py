@@ -1,0 +1,75 @@
+"""Pure tensor functions that turn logits into the distribution tokens are drawn from.
+
+`warp` is the sampling transform W of docs/algorithms.md §0 (temperature, top-k, top-p), applied alike to
+target logits (giving p) and draft logits (giving q). Everything is computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculor.config import SamplingConfig
+from speculor.errors import SpeculorError
+
+
+def check_finite(logits: torch.Tensor, who: str) -> None:
+    if torch.isnan(logits).any():
+        raise SpeculorError(f"the {who} model produced NaN logits; the model file or its dtype is broken")
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """W(logits) -> probabilities [..., V] for temperature > 0: softmax(logits / T) kept to top-k and top-p."""
+    z = logits.float() / cfg.temperature
+    if 0 < cfg.top_k < z.shape[-1]:
+        kth = torch.topk(z, cfg.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    if cfg.top_p < 1:
+        # keep the smallest prefix of the descending order whose mass reaches top_p (always >= 1 token)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a probability vector [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """argmax with the lowest id on ties (torch.argmax returns the first maximum)."""
+    return int(torch.argmax(logits))
+
+
+def residual(r: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
+    """resid(r, d) = norm(max(r - d, 0)); None when it has no mass (then r == d and rejection has prob. 0)."""
+    res = torch.clamp(r - d, min=0)
+    mass = res.sum()
+    return None if mass <= 1e-12 else res / mass
+
+
+def draw_iid(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """k independent draws from q [V], in draw order; repeats are kept (MSS verifies each draw, §2)."""
+    return torch.multinomial(q, k, replacement=True, generator=generator).tolist()
+
+
+def draw_swor(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """min(k, |supp q|) draws without replacement from q [V], in draw order (exponential keys, §4.3).
+
+    κ_x = log(u_x) / q(x) with u_x ~ U(0, 1) in fp64 (kept > 0), top-k by κ: descending κ is the draw order.
+    Tokens with q = 0 have κ = -inf and are never drawn, so k is capped at the support size.
+    """
+    k = min(k, int((q > 0).sum()))
+    u = torch.rand(q.shape, dtype=torch.float64, generator=generator).clamp_min_(torch.finfo(torch.float64).tiny)
+    keys = u.log_() / q.double()  # log u < 0: q = 0 gives -inf
+    return torch.topk(keys, k).indices.tolist()
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> list[int]:
+    """The k (at most: only finite logits count) distinct most likely tokens, best first (ties in any order:
+    these are drafts for greedy verification, where any draft is lossless)."""
+    k = min(k, int(torch.isfinite(logits).sum()))
+    return torch.topk(logits, k).indices.tolist()

@@ -1,0 +1,360 @@
+"""DySpec (docs/algorithms.md §5): a dynamic token tree grown greedily at run time by the estimated value of each draw.
+
+Glossary (the paper's names; q is the draft distribution, p the target's):
+    v(u)        value of node u = Π q(token | context) along the path root -> u (v(root) = 1): under DySpec's
+                Hypothesis 1 (acceptance rises with q) an estimate of the probability that verification reaches u.
+    R_u         q(·|ctx(u)) with the tokens of u's children drawn so far removed (unnormalised); m_u = Σ R_u.
+    draw value  the value of u's *next* draw, v(u) · m_u = Π q(ancestors) × (1 - Σ q(earlier siblings)). It is
+                known before the token is seen; the drawn child y gets v(u) · q(y).
+Both variants make the decision to draw from the draw value alone (the past), then draw y ~ R_u / m_u, i.e.
+siblings are sampled without replacement (SWOR) in draw order, and verification is Sequoia's SWOR rule (§2:
+"number of siblings decided online from earlier siblings: exact"). Pruning a child *after* seeing its token
+(by v(u)·q(y)) is biased and never done.
+
+    heap       §5.1 (Alg. 1), fixed budget: a max-heap of draw values; pop the best draw, sample it, push the
+               node's next draw and the child's first draw. The child's q needs a draft forward on it; forwards
+               are made lazily when a node's first draw is popped, batching up to `batch` of the best heap
+               entries still lacking q into one forward (the tree is the same as with one row per forward:
+               forwards consume no randomness). Draft forwards ≈ internal nodes / batch.
+    threshold  §5.2 (Alg. 2), layer by layer: one batched draft forward over the nodes of a depth, then their
+               draws in decreasing draw value while the value is >= t, capped at `budget` nodes. Draft forwards
+               = depth. With t = the last draw value the heap variant takes, and the same budget, both build the
+               same tree (given the same draws). A binding cap is spent on shallow draws first, so by default t
+               is steered between steps to keep the tree under the cap (`steer`); a given threshold stays fixed.
+At temperature 0 the draws are deterministic (the most likely remaining token; values from softmax(logits / 0.5))
+and verification is greedy matching. `budget="auto"` (threshold or heap) grows while this machine's cost model
+(runtime.cost.CostModel) says a draw or a layer raises the estimated tokens per second, estimated tokens = 1 + Σ v.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Literal
+
+import torch
+
+from speculor.config import SamplingConfig, is_int, is_num
+from speculor.core.sampling import check_finite, sample, warp
+from speculor.core.tree import DraftTree
+from speculor.core.verify import Verdict
+from speculor.drafters.base import Shared, catch_up, feed, keep_fed_path
+from speculor.errors import SpeculorError
+from speculor.runtime.cost import CostModel, machine_cost
+from speculor.runtime.loading import Pair
+from speculor.runtime.model import Model
+
+Variant = Literal["heap", "threshold"]
+AUTO_CAP = 64  # most draft tokens per step with budget="auto"
+AUTO_THRESHOLD = 1e-3  # smallest draw value with budget="auto" (the cost model decides above it)
+# At temperature 0 the values come from softmax(logits / GREEDY_VALUE_TEMPERATURE): greedy matching accepts the
+# draft's top token more often, and its runners-up less often, than softmax at temperature 1 says. Measured on
+# the embedded pair (6 prompts, 48 tokens, one run each): budget 16, tau 4.04 at 11.9 nodes (1) -> 4.75 at 12.8
+# (0.5) -> 4.58 (0.3); budget auto, tau 3.04 at 2.7 nodes -> 3.69 at 4.2, speed unchanged (1.36x vs 1.37x plain).
+GREEDY_VALUE_TEMPERATURE = 0.5
+
+
+# ---------------------------------------------------------------- shared by the dynamic drafters
+
+
+def value_distribution(logits: torch.Tensor, cfg: SamplingConfig, temperature: float | None) -> torch.Tensor:
+    """q [V] fp32 that draws (T > 0) and values use: W(logits) at the drafter's temperature; at temperature 0,
+    where draws are deterministic, softmax(logits / temperature) for the values alone (GREEDY_VALUE_TEMPERATURE
+    unless given). Any value function is exact at temperature 0: the draws are the top remaining tokens."""
+    check_finite(logits, "draft")
+    if cfg.greedy:
+        return torch.softmax(logits.float() / (temperature or GREEDY_VALUE_TEMPERATURE), dim=-1)
+    return warp(logits, cfg if temperature is None else replace(cfg, temperature=temperature))
+
+
+def pick(r: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> int:
+    """The next draw from the remaining mass R (unnormalised): y ~ R / ΣR, or argmax R (lowest id) when greedy."""
+    return int(torch.argmax(r)) if greedy else sample(r / r.sum(), generator)
+
+
+def expected_gain(v: float, r: torch.Tensor) -> float:
+    """E[v(child)] of the next draw before it is made: v · Σ_y (R(y)/m) q(y) = v · ΣR² / m (R(y) = q(y) if undrawn)."""
+    m = float(r.sum())
+    return v * float((r * r).sum()) / m if m > 0 else 0.0
+
+
+def steer(t: float, size: int, cap: int) -> float:
+    """The next step's threshold: up 1.5x when the tree hit the cap, down 1.2x when it used < 3/4 of it, in
+    [1e-4, 0.5]. With a binding cap the threshold variant spends it on shallow draws before deeper, better ones;
+    with t at the heap's last draw value it builds the heap's tree (§5.2). t depends only on earlier steps, so
+    the decision to draw still uses only the past: exact."""
+    if size >= cap:
+        return min(t * 1.5, 0.5)
+    return max(t / 1.2, 1e-4) if size < 0.75 * cap else t
+
+
+def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float, extra_nodes: int = 1,
+          extra_draft_s: float = 0.0) -> bool:
+    """Does adding `extra_nodes` draft tokens of estimated value `gain` (and `extra_draft_s` of draft forwards)
+    raise the estimated tokens per second of the step? tokens ≈ 1 + Σ v, seconds = draft + t_target(n + 1):
+
+        (1 + S + gain) / (draft_s + extra + t_target(n + extra_nodes + 1))  >  (1 + S) / (draft_s + t_target(n + 1))
+    """
+    now = (1 + value_sum) / (draft_s + cost.t_target(n + 1))
+    then = (1 + value_sum + gain) / (draft_s + extra_draft_s + cost.t_target(n + extra_nodes + 1))
+    return then > now
+
+
+# ---------------------------------------------------------------- options and the growing tree
+
+
+@dataclass(frozen=True)
+class DySpecOptions:
+    """variant: "threshold" (default: `depth` draft forwards per step) or "heap"; budget: most draft tokens per
+    step, or "auto" (at most AUTO_CAP, grown while the machine's cost model says it pays); threshold: smallest
+    draw value drawn (threshold variant), fixed; by default it starts at 1 / budget (the paper's t ≈ 1/n) and is
+    steered between steps so that the cap rarely binds (`steer`; AUTO_THRESHOLD, fixed, with auto);
+    depth: most draft tokens on a path; temperature: the draft's sampling temperature (default: the target's;
+    the paper fixes 0.6), at temperature 0 the values' (default GREEDY_VALUE_TEMPERATURE); batch: most rows per
+    lazy draft forward of the heap variant."""
+
+    variant: Variant = "threshold"
+    budget: int | str = 16
+    threshold: float | None = None
+    depth: int = 8
+    temperature: float | None = None
+    batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("heap", "threshold"):
+            raise SpeculorError(f"variant must be 'heap' or 'threshold', got {self.variant!r}")
+        if self.budget != "auto" and (not is_int(self.budget) or not 1 <= self.budget <= 1024):
+            raise SpeculorError(f"budget must be an integer in [1, 1024] or 'auto', got {self.budget!r}")
+        if self.threshold is not None and (not is_num(self.threshold) or not 0 <= self.threshold <= 1):
+            raise SpeculorError(f"threshold must be a number in [0, 1], got {self.threshold!r}")
+        if not is_int(self.depth) or not 1 <= self.depth <= 64:
+            raise SpeculorError(f"depth must be an integer in [1, 64], got {self.depth!r}")
+        if self.temperature is not None and (not is_num(self.temperature) or not 0 < self.temperature < 1e6):
+            raise SpeculorError(f"temperature must be a number > 0, got {self.temperature!r}")
+        if not is_int(self.batch) or not 1 <= self.batch <= 64:
+            raise SpeculorError(f"batch must be an integer in [1, 64], got {self.batch!r}")
+
+    @property
+    def cap(self) -> int:
+        return AUTO_CAP if self.budget == "auto" else int(self.budget)
+
+    @property
+    def t(self) -> float:
+        """The threshold to start from (fixed unless `adaptive`)."""
+        if self.threshold is not None:
+            return float(self.threshold)
+        return AUTO_THRESHOLD if self.budget == "auto" else 1.0 / self.cap
+
+    @property
+    def adaptive(self) -> bool:
+        """Threshold variant, fixed budget, no threshold given: t is steered between steps (`steer`)."""
+        return self.variant == "threshold" and self.threshold is None and self.budget != "auto"
+
+
+
+
+@dataclass
+class Slot:
+    """A node that draws children: v = v(u), conf = q of its own token (v(u) / v(parent); 1 at the root),
+    r = remaining mass R_u (None until its draft forward), q = q(·|ctx(u))."""
+
+    v: float
+    depth: int
+    conf: float = 1.0
+    r: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    drawn: int = 0  # children drawn so far
+
+    def draw_value(self) -> float:
+        """v(u) · m_u; m_u = 1 exactly before the first draw (q sums to 1), so both variants see the same values."""
+        return self.v * float(self.r.sum()) if self.drawn else self.v
+
+    def fill(self, q: torch.Tensor) -> None:
+        self.q, self.r = q, q.clone()
+
+
+@dataclass
+class Growth:
+    """The tree being grown: nodes in creation order (siblings in draw order), their values and q rows."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    qs: list[torch.Tensor] = field(default_factory=list)
+    draw_values: list[float] = field(default_factory=list)  # value of the draw that made each node
+    rows: dict[int, int] = field(default_factory=dict)  # node (-1 = root) -> pending row in the draft cache
+    draft_s: float = 0.0  # estimated seconds of draft forwards so far (auto budget)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def draw(self, node: int, slot: Slot, greedy: bool, generator: torch.Generator | None) -> int:
+        """Make u's next draw: y from R_u, a child of value v(u)·q(y); R_u loses y. Returns the child."""
+        self.draw_values.append(slot.draw_value())
+        y = pick(slot.r, greedy, generator)
+        self.tokens.append(y)
+        self.parents.append(node)
+        self.values.append(slot.v * float(slot.q[y]))
+        self.qs.append(slot.q)
+        slot.r[y] = 0
+        slot.drawn += 1
+        return len(self.tokens) - 1
+
+    def tree(self, greedy: bool) -> DraftTree:
+        tokens = torch.tensor(self.tokens, dtype=torch.long)
+        parents = torch.tensor(self.parents, dtype=torch.long)
+        if greedy or not self.tokens:
+            return DraftTree(tokens, parents, None, "point")
+        return DraftTree(tokens, parents, torch.stack(self.qs), "swor")
+
+
+# ---------------------------------------------------------------- the drafter
+
+
+class DySpecDrafter:
+    """DySpec's dynamic tree from a draft model (module docstring): the heap or the threshold variant.
+
+    After `propose`: `values[i]` = v(node i), `draw_values[i]` = the value of the draw that made node i, `rows`
+    = node -> pending row of the draft cache (fed nodes), `stats` = numbers of the step; forwards = draft
+    forwards of the step (the catch-up forward included)."""
+
+    def __init__(self, model: Model, opts: DySpecOptions | None = None, cost: CostModel | None = None) -> None:
+        self.model, self.opts, self.cost = model, opts or DySpecOptions(), cost
+        self.cache = model.new_cache()
+        if self.opts.budget == "auto" and cost is None:
+            raise SpeculorError("dyspec with budget='auto' needs the machine's cost model")
+        self.forwards = 0
+        self.rows: dict[int, int] = {}
+        self.values: list[float] = []
+        self.draw_values: list[float] = []
+        self.stats: dict[str, float] = {}
+        self.t = self.opts.t  # the threshold variant's current threshold
+
+    @property
+    def auto(self) -> bool:
+        return self.opts.budget == "auto"
+
+    def reset(self) -> None:
+        self.cache = self.model.new_cache()
+        self.t = self.opts.t
+
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        logits = catch_up(self.model, self.cache, seq)
+        self.forwards = 1
+        g = Growth(draft_s=self._t_draft(1))
+        root = Slot(1.0, 0)
+        root.fill(value_distribution(logits, cfg, self.opts.temperature))
+        if self.opts.variant == "heap":
+            self._grow_heap(g, root, cfg, generator)
+        else:
+            self._grow_layers(g, root, cfg, generator)
+        self.rows, self.values, self.draw_values = g.rows, g.values, g.draw_values
+        self.stats = {"nodes": len(g), "value_sum": sum(g.values), "fed_rows": len(g.rows), "threshold": self.t}
+        if self.opts.adaptive:
+            self.t = steer(self.t, len(g), self.opts.cap)
+        return g.tree(cfg.greedy)
+
+    def observe(self, n_committed: int, verdict: Verdict) -> None:
+        assert self.cache.length == n_committed, "the draft cache must hold exactly the committed tokens"
+        keep_fed_path(self.cache, self.rows, verdict.path)
+
+    # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
+
+    def _grow_heap(self, g: Growth, root: Slot, cfg: SamplingConfig, generator: torch.Generator | None) -> None:
+        """Alg. 1: pop the best draw; draw it; push the node's next draw and the child's first draw."""
+        t = self.opts.threshold if self.opts.threshold is not None else (AUTO_THRESHOLD if self.auto else 0.0)
+        slots, order = {-1: root}, itertools.count()
+        heap = [(-1.0, next(order), -1)]
+        while heap and len(g) < self.opts.cap:
+            negv, _, node = heapq.heappop(heap)
+            slot = slots[node]
+            if -negv < t or not self._draw_pays(g, slot):
+                break  # draw values only fall from here on
+            if slot.r is None:
+                self._fetch(g, [node] + self._lacking(heap, slots), slots, cfg)
+            child = g.draw(node, slot, cfg.greedy, generator)
+            if float(slot.r.sum()) > 0:
+                heapq.heappush(heap, (-slot.draw_value(), next(order), node))
+            if slot.depth + 1 < self.opts.depth:
+                slots[child] = Slot(g.values[child], slot.depth + 1, float(slot.q[g.tokens[child]]))
+                heapq.heappush(heap, (-g.values[child], next(order), child))
+
+    def _lacking(self, heap: list, slots: dict[int, Slot]) -> list[int]:
+        """Up to batch - 1 of the best heap entries whose q is still unknown (fed along in the same forward)."""
+        waiting = [e for e in heap if slots[e[2]].r is None]
+        return [e[2] for e in heapq.nsmallest(self.opts.batch - 1, waiting)]
+
+    # -------------------------------------------------------- §5.2: threshold, layer by layer
+
+    def _grow_layers(self, g: Growth, root: Slot, cfg: SamplingConfig, generator: torch.Generator | None) -> None:
+        """Alg. 2: per depth, draw from the layer's nodes while the draw value is >= t, then feed the new nodes
+        that will draw (value >= t, depth left) in one batched draft forward."""
+        layer = {-1: root}
+        while layer:
+            new = self._draw_layer(g, layer, cfg, generator)
+            expand = {c: s for c, s in new.items() if s.depth < self.opts.depth and s.v >= self.t}
+            if not expand or len(g) >= self.opts.cap or not self._layer_pays(g, expand):
+                return
+            self._fetch(g, list(expand), expand, cfg)
+            layer = expand
+
+    def _draw_layer(self, g: Growth, layer: dict[int, Slot], cfg: SamplingConfig,
+                    generator: torch.Generator | None) -> dict[int, Slot]:
+        """The draws of one depth, best draw value first across the layer's nodes; the new children's slots."""
+        order = itertools.count()
+        heap = [(-s.draw_value(), next(order), u) for u, s in layer.items()]
+        heapq.heapify(heap)
+        new: dict[int, Slot] = {}
+        while heap and len(g) < self.opts.cap:
+            negv, _, u = heapq.heappop(heap)
+            slot = layer[u]
+            if -negv < self.t or not self._draw_pays(g, slot):
+                break
+            child = g.draw(u, slot, cfg.greedy, generator)
+            new[child] = Slot(g.values[child], slot.depth + 1, float(slot.q[g.tokens[child]]))
+            if float(slot.r.sum()) > 0:
+                heapq.heappush(heap, (-slot.draw_value(), next(order), u))
+        return new
+
+    # -------------------------------------------------------- draft forwards and the auto budget
+
+    def _fetch(self, g: Growth, nodes: list[int], slots: dict[int, Slot], cfg: SamplingConfig) -> None:
+        """One batched draft forward over `nodes` (each a drafted node whose parent was fed): their q."""
+        parent_rows = [g.rows.get(g.parents[n], -1) for n in nodes]
+        logits, rows = feed(self.model, self.cache, [g.tokens[n] for n in nodes], parent_rows)
+        self.forwards += 1
+        g.draft_s += self._t_draft(len(nodes))
+        for i, n in enumerate(nodes):
+            g.rows[n] = rows[i]
+            slots[n].fill(value_distribution(logits[i], cfg, self.opts.temperature))
+
+    def _t_draft(self, rows: int) -> float:
+        return self.cost.t_draft(rows) if self.cost is not None else 0.0
+
+    def _draw_pays(self, g: Growth, slot: Slot) -> bool:
+        """auto: is the next draw worth its target time? Its expected value is known before the draw (with an
+        unknown q, the node's own confidence stands in for it and the draft forward is charged)."""
+        if not self.auto or not len(g):
+            return True  # a fixed budget; or the first draw, which speculation always makes
+        if slot.r is None:
+            return worth(self.cost, len(g), sum(g.values), g.draft_s, slot.v * slot.conf, 1, self._t_draft(1))
+        return worth(self.cost, len(g), sum(g.values), g.draft_s, expected_gain(slot.v, slot.r))
+
+    def _layer_pays(self, g: Growth, expand: dict[int, Slot]) -> bool:
+        """auto: is one more depth worth a draft forward over `expand`? Each fed node's first draw is estimated
+        at v(u) · q(u's token) (the draft's confidence persists)."""
+        if not self.auto:
+            return True
+        gain = sum(s.v * s.conf for s in expand.values())
+        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, len(expand), self._t_draft(len(expand)))
+
+
+def make_dyspec(pair: Pair, variant: Variant = "threshold", budget: int | str = 16, threshold: float | None = None,
+                depth: int = 8, temperature: float | None = None, batch: int = 4) -> Shared:
+    """Builder of the `dyspec` strategy (see `DySpecOptions`); budget='auto' profiles the machine once."""
+    if pair.draft is None:
+        raise SpeculorError("strategy 'dyspec' needs a draft model")
+    opts = DySpecOptions(variant, budget, threshold, depth, temperature, batch)
+    return Shared(partial(DySpecDrafter, pair.draft, opts, machine_cost(pair) if budget == "auto" else None))

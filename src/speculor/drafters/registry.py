@@ -1,0 +1,66 @@
+"""Strategy registry: a name and its options -> the strategy's shared part (None for plain decoding).
+
+`make_strategy(name, pair, **options)` validates the options and builds what the strategy shares across requests
+(`base.Strategy`); `strategy.drafter()` then makes one request's drafter. `options_of(name)` lists the options a
+strategy takes, so that a caller (the CLI, the server) can refuse options meant for another strategy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from speculor.drafters.base import ChainDrafter, Shared, Strategy
+from speculor.drafters.dyspec import make_dyspec
+from speculor.drafters.gsd import make_gsd
+from speculor.drafters.sequoia import make_sequoia
+from speculor.drafters.specdecpp import make_specdecpp
+from speculor.drafters.specinfer import make_ngram, make_specinfer
+from speculor.drafters.topk_tree import make_topk_tree
+from speculor.errors import SpeculorError
+from speculor.runtime.loading import Pair
+
+
+def _chain(pair: Pair, k: int = 4) -> Shared:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
+        raise SpeculorError(f"k must be an integer in [1, 64], got {k!r}")
+    if pair.draft is None:
+        raise SpeculorError("strategy 'chain' needs a draft model")
+    return Shared(partial(ChainDrafter, pair.draft, k))
+
+
+BUILDERS: dict[str, Callable[..., Strategy | None]] = {
+    "plain": lambda pair: None,
+    "chain": _chain,  # options: k
+    "sequoia": make_sequoia,  # options: budget (int or "auto"), depth, width, acc (see sequoia.SequoiaOptions)
+    "specinfer": make_specinfer,  # options: expansion ("1-1-3-1-1-1-1-1"), drafters ("draft+draft@1.5+ngram")
+    "ngram": make_ngram,  # options: k (tokens per continuation), n (longest n-gram), branches
+    "specdecpp": make_specdecpp,  # options: threshold, k_min, k_max, head (see specdecpp.SpecDecPPOptions)
+    "dyspec": make_dyspec,  # options: variant, budget (int or "auto"), threshold, depth, temperature, batch
+    "topk-tree": make_topk_tree,  # options: budget, depth, k (see topk_tree.TopkOptions)
+    "gsd": make_gsd,  # options: n, k, sibling_threshold, prob_threshold, depth, budget (see gsd.GSDOptions)
+}
+
+
+def _check_name(name: str) -> None:
+    if name not in BUILDERS:
+        raise SpeculorError(f"unknown strategy {name!r}; known: {', '.join(BUILDERS)}")
+
+
+def options_of(name: str) -> list[str]:
+    """The options strategy `name` takes (the keyword parameters of its builder)."""
+    _check_name(name)
+    return [p for p in inspect.signature(BUILDERS[name]).parameters if p != "pair"]
+
+
+def make_strategy(name: str, pair: Pair, **options: Any) -> Strategy | None:
+    """The shared part of strategy `name` with `options` (None for plain decoding); SpeculorError for an unknown
+    strategy, an option it does not take, or a bad value."""
+    _check_name(name)
+    unknown = sorted(set(options) - set(options_of(name)))
+    if unknown:
+        takes = ", ".join(options_of(name)) or "none"
+        raise SpeculorError(f"strategy {name!r} takes no option {', '.join(map(repr, unknown))} (its options: {takes})")
+    return BUILDERS[name](pair, **options)

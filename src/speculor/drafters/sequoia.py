@@ -1,0 +1,225 @@
+"""Sequoia (docs/algorithms.md §4) as the `sequoia` strategy: the DP-optimal static tree for the pair's acceptance
+vector, children drawn without replacement and verified with the SWOR rule (top-k and greedy matching at
+temperature 0), sized for this machine with `budget="auto"`.
+
+Shared per pair (`SequoiaPlans`): the acceptance vector, the cost model and the plan (tree) made per (temperature,
+top-p). Per request (`SequoiaDrafter`): a `TreeDrafter` of the plan's shape with its own draft cache. The DP lives
+in `core/sequoia_dp.py`, the cost model in `runtime/cost.py`, calibration in `methods/sequoia_calibration.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculor.config import SamplingConfig, is_int
+from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees
+from speculor.core.tree import DraftTree
+from speculor.core.verify import Verdict
+from speculor.drafters.base import TreeDrafter
+from speculor.errors import SpeculorError
+from speculor.runtime.assets import cache_dir, slug
+from speculor.runtime.cost import CostModel, machine_cost
+from speculor.runtime.loading import Pair
+from speculor.runtime.model import Model
+
+logger = logging.getLogger("speculor")
+
+
+# ---------------------------------------------------------------- the acceptance vector (§4.1)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """counts[k - 1] = calibration steps whose accepted draft token was the k-th child of the root, out of `steps`;
+    acc[k] = counts[k - 1] / steps. At temperature 0, "accepted" means the k-th ranked (top-k) child matched."""
+
+    target: str
+    draft: str
+    temperature: float
+    top_p: float
+    counts: tuple[int, ...]
+    steps: int
+    prompts: int = 0
+    sets: str = ""
+
+    @property
+    def acc(self) -> list[float]:
+        return [c / max(self.steps, 1) for c in self.counts]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "counts": list(self.counts), "acc": self.acc}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Calibration:
+        fields = ("target", "draft", "temperature", "top_p", "steps", "prompts", "sets")
+        return Calibration(**{k: d[k] for k in fields if k in d}, counts=tuple(int(c) for c in d["counts"]))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+
+def calibration_path(target: str, draft: str, temperature: float, top_p: float) -> Path:
+    name = f"acc--{slug(target)}--{slug(draft)}--T{temperature:g}--p{top_p:g}.json"
+    return cache_dir() / "sequoia" / name
+
+
+def builtin_calibrations() -> list[Calibration]:
+    """Acceptance vectors measured on the embedded pair (package data `data/sequoia_acc.json`)."""
+    text = resources.files("speculor").joinpath("data/sequoia_acc.json").read_text()
+    return [Calibration.from_dict(d) for d in json.loads(text)["calibrations"]]
+
+
+def _nearest(cals: list[Calibration], cfg: SamplingConfig) -> Calibration:
+    """The built-in calibration closest to cfg: temperature 0 for greedy, else the nearest temperature > 0."""
+    pool = [c for c in cals if (c.temperature == 0) == cfg.greedy] or cals
+    return min(pool, key=lambda c: (abs(c.temperature - cfg.temperature), abs(c.top_p - cfg.top_p)))
+
+
+def resolve_acc(spec: str | Sequence[float] | None, target: str, draft: str,
+                cfg: SamplingConfig) -> tuple[list[float], str]:
+    """(acc, where it came from): a given vector; a calibration JSON file; else the cached calibration of this
+    pair at cfg's temperature and top-p (`speculor calibrate`); else the built-in vector of the embedded pair
+    at the nearest temperature (documented fallback: the tree is then tuned for that pair, still lossless)."""
+    if spec is not None and not isinstance(spec, str):
+        return [float(a) for a in spec], "given"
+    if spec is not None:
+        return _load_acc(Path(spec).expanduser()), spec
+    path = calibration_path(target, draft, cfg.temperature, cfg.top_p)
+    if path.exists():
+        return _load_acc(path), str(path)
+    cal = _nearest(builtin_calibrations(), cfg)
+    source = f"built-in ({cal.target} / {cal.draft}, T={cal.temperature:g}, top_p={cal.top_p:g})"
+    logger.info("sequoia: no calibration at %s; using the %s acceptance vector", path, source)
+    return cal.acc, source
+
+
+def _load_acc(path: Path) -> list[float]:
+    try:
+        d = json.loads(path.read_text())
+        acc = d["acc"] if "acc" in d else Calibration.from_dict(d).acc
+        return [float(a) for a in acc]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SpeculorError(f"cannot read an acceptance vector from {path}: {exc}; run `speculor calibrate`") from exc
+
+
+# ---------------------------------------------------------------- the `sequoia` strategy
+
+AUTO_NODES = 128  # --budget auto searches trees of up to this many verified tokens (root included)
+
+
+@dataclass(frozen=True)
+class SequoiaOptions:
+    """budget: draft tokens per step (root excluded), or "auto" (the best tokens/s on this machine, §4.2);
+    depth: most draft tokens on a path (D = depth + 1 levels); width: most children per node (B);
+    acc: an acceptance vector, or the path of a calibration JSON (default: see `resolve_acc`)."""
+
+    budget: int | str = 16
+    depth: int = 8
+    width: int = 8
+    acc: str | tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget != "auto" and (not is_int(self.budget) or not 1 <= self.budget <= 1024):
+            raise SpeculorError(f"budget must be an integer in [1, 1024] or 'auto', got {self.budget!r}")
+        if not is_int(self.depth) or not 1 <= self.depth <= 64:
+            raise SpeculorError(f"depth must be an integer in [1, 64], got {self.depth!r}")
+        if not is_int(self.width) or not 1 <= self.width <= 64:
+            raise SpeculorError(f"width must be an integer in [1, 64], got {self.width!r}")
+        if isinstance(self.acc, str) and not Path(self.acc).expanduser().is_file():
+            raise SpeculorError(f"no calibration file at {self.acc!r}; run `speculor calibrate`")
+        if self.acc is not None and not isinstance(self.acc, str):
+            object.__setattr__(self, "acc", tuple(float(a) for a in self.acc))
+            if not self.acc or min(self.acc) < 0 or sum(self.acc) > 1 + 1e-6:
+                raise SpeculorError(f"acc must be non-negative with a sum <= 1, got {self.acc!r}")
+
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The static tree used at one (temperature, top-p): its shape, F(T) and where acc came from."""
+
+    shape: tuple[int, ...]
+    expected_tokens: float
+    acc_source: str
+    choice: Choice | None = None  # set with budget="auto"
+
+
+def plan_tree(acc: Sequence[float], opts: SequoiaOptions, cost: CostModel | None) -> tuple[tuple[int, ...], float,
+                                                                                           Choice | None]:
+    """The DP tree for a fixed budget (the largest feasible n <= budget + 1), or the tokens/s-optimal one."""
+    acc = list(acc)[: opts.width]
+    if opts.budget == "auto":
+        assert cost is not None, "budget='auto' needs a cost model"
+        choice = choose_tree(acc, cost, AUTO_NODES, opts.depth + 1)
+        return choice.shape, choice.expected_tokens, choice
+    table = optimal_trees(acc, opts.budget + 1, opts.depth + 1)
+    n = table.largest_feasible(opts.budget + 1, opts.depth + 1)
+    return tuple(table.shape(n, opts.depth + 1)), float(table.best[n, opts.depth + 1]), None
+
+
+class SequoiaPlans:
+    """What `sequoia` shares across requests: the draft model, the options, the cost model and the plans.
+
+    The tree depends on the acceptance vector, which depends on the sampling settings of a request, so a plan
+    is made per (temperature, top-p) on first use and kept (a memo: the same inputs give the same plan).
+    """
+
+    def __init__(self, draft: Model, target_name: str, draft_name: str, opts: SequoiaOptions,
+                 cost: CostModel | None = None) -> None:
+        self.draft, self.names, self.opts, self.cost = draft, (target_name, draft_name), opts, cost
+        self.plans: dict[tuple[float, float], Plan] = {}
+
+    def plan(self, cfg: SamplingConfig) -> Plan:
+        key = (cfg.temperature, cfg.top_p)
+        if key not in self.plans:
+            acc, source = resolve_acc(self.opts.acc, *self.names, cfg)
+            shape, expected, choice = plan_tree(acc, self.opts, self.cost)
+            self.plans[key] = Plan(shape, expected, source, choice)
+        return self.plans[key]
+
+    def drafter(self) -> SequoiaDrafter:
+        return SequoiaDrafter(self)
+
+
+class SequoiaDrafter:
+    """One request's Sequoia tree: children drawn without replacement (exponential keys) and verified with the
+    SWOR rule; deterministic top-k children and greedy matching at temperature 0. A `TreeDrafter` of the plan's
+    shape does the drafting (with this request's draft cache)."""
+
+    def __init__(self, plans: SequoiaPlans) -> None:
+        self.plans = plans
+        self.inner: TreeDrafter | None = None
+        self.forwards = 0
+
+    def reset(self) -> None:
+        self.inner = None
+
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        shape = list(self.plans.plan(cfg).shape)
+        if self.inner is None or self.inner.shape != shape:
+            self.inner = TreeDrafter(self.plans.draft, shape, draw="swor")
+        tree = self.inner.propose(seq, cfg, generator)
+        self.forwards = self.inner.forwards
+        return tree
+
+    def observe(self, n_committed: int, verdict: Verdict) -> None:
+        self.inner.observe(n_committed, verdict)
+
+
+def make_sequoia(pair: Pair, budget: int | str = 16, depth: int = 8, width: int = 8,
+                 acc: str | Sequence[float] | None = None) -> SequoiaPlans:
+    """Builder of the `sequoia` strategy (see `SequoiaOptions`); budget='auto' profiles the machine once."""
+    if pair.draft is None:
+        raise SpeculorError("strategy 'sequoia' needs a draft model")
+    opts = SequoiaOptions(budget, depth, width, acc)  # type: ignore[arg-type]
+    cost = machine_cost(pair) if budget == "auto" else None
+    return SequoiaPlans(pair.draft, pair.target_name, pair.draft_name, opts, cost)

@@ -1,0 +1,134 @@
+"""The decoding loop: one step = propose a draft tree, one target forward over it, verify, commit.
+
+    drafter.propose(seq) -> DraftTree
+    target.forward(cache, [root] + tree.tokens, tree mask, depth positions) -> logits per node
+    verify_greedy / verify_sampled -> accepted path + recovered/bonus token
+    cache.keep(root + path)      drafter.observe(verdict)      yield Token ...
+
+A `Request` holds everything that belongs to one generation: the committed sequence, the target's KV cache, the
+drafter (its own draft cache and adaptive state), the sampling config and the random generator seeded from the
+request's seed. The target model is shared and holds no request state. `stream` yields each emitted token with
+a flag saying whether it was a draft token; `Stats` collects one `Step` per target forward. Plain decoding is the
+same loop with no drafter (an empty tree).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from speculor.config import SamplingConfig
+from speculor.core.sampling import check_finite, warp
+from speculor.core.tree import DraftTree, block_parents
+from speculor.core.verify import Verdict, verify_greedy, verify_sampled
+from speculor.drafters.base import Drafter
+from speculor.errors import SpeculorError
+from speculor.runtime.cache import KVCache
+from speculor.runtime.model import Model
+
+EMPTY = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    from_draft: bool  # an accepted draft token (else the recovered/bonus token of its step)
+
+
+@dataclass(frozen=True)
+class Step:
+    accepted: int  # draft tokens accepted
+    drafted: int  # draft tokens sent to the target (tree size)
+    draft_forwards: int
+    draft_s: float
+    verify_s: float  # target forward
+    overhead_s: float  # acceptance and bookkeeping
+    drafter_stats: dict[str, float] | None = None  # the drafter's own numbers of the step (its `stats` dict, if any)
+
+
+@dataclass
+class Stats:
+    prefill_s: float = 0.0
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per target forward (bonus included; plain decoding has 1)."""
+        return sum(s.accepted + 1 for s in self.steps) / max(len(self.steps), 1)
+
+
+def check_prompt(prompt: list[int], cfg: SamplingConfig, target: Model) -> None:
+    if not prompt:
+        raise SpeculorError("the prompt is empty")
+    if len(prompt) + cfg.max_new_tokens > target.context_length:
+        raise SpeculorError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
+            f"context length ({target.context_length})")
+
+
+@dataclass
+class Request:
+    """One generation's state: seq = prompt + tokens emitted so far (seq[-1] is the root of the next tree)."""
+
+    seq: list[int]
+    cfg: SamplingConfig
+    cache: KVCache
+    drafter: Drafter | None
+    generator: torch.Generator | None
+    stats: Stats
+    produced: int = 0
+
+
+def start(target: Model, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
+          stats: Stats | None = None) -> Request:
+    """A request after its prompt prefill: the target's cache holds every prompt token but the root."""
+    check_prompt(prompt, cfg, target)
+    stats = stats if stats is not None else Stats()
+    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    t0 = time.perf_counter()
+    req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats)
+    if drafter is not None:
+        drafter.reset()
+    if len(prompt) > 1:
+        target.forward(req.cache, prompt[:-1], last=True)  # its logits are not needed: the first step scores the root
+        req.cache.keep(list(range(len(prompt) - 1)))
+    stats.prefill_s = time.perf_counter() - t0
+    return req
+
+
+def stream(target: Model, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
+           eos_ids: frozenset[int] = frozenset(), stats: Stats | None = None) -> Iterator[Token]:
+    """Generate after `prompt`, yielding tokens as they are accepted; fills `stats` if given."""
+    req = start(target, drafter, prompt, cfg, stats)
+    while True:
+        verdict, tree, step = _step(target, req)
+        req.stats.steps.append(step)
+        emitted = [int(tree.tokens[i]) for i in verdict.path] + [verdict.token]
+        for i, tok in enumerate(emitted):
+            req.seq.append(tok)
+            req.produced += 1
+            yield Token(tok, from_draft=i < len(verdict.path))
+            if req.produced >= cfg.max_new_tokens or (cfg.stop_on_eos and tok in eos_ids):
+                return
+
+
+def _step(target: Model, req: Request) -> tuple[Verdict, DraftTree, Step]:
+    drafter, seq, cfg, generator = req.drafter, req.seq, req.cfg, req.generator
+    t0 = time.perf_counter()
+    tree = drafter.propose(seq, cfg, generator) if drafter is not None else EMPTY
+    t1 = time.perf_counter()
+    logits = target.forward(req.cache, torch.cat([torch.tensor(seq[-1:]), tree.tokens]), block_parents(tree.parents))
+    t2 = time.perf_counter()
+    check_finite(logits, "target")
+    verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), generator)
+    req.cache.keep([0] + [i + 1 for i in verdict.path])
+    if drafter is not None:
+        drafter.observe(len(seq), verdict)
+    t3 = time.perf_counter()
+    forwards = drafter.forwards if drafter is not None else 0
+    own = getattr(drafter, "stats", None)
+    return verdict, tree, Step(len(verdict.path), len(tree), forwards, t1 - t0, t2 - t1, t3 - t2,
+                               dict(own) if isinstance(own, dict) else None)

@@ -1,0 +1,89 @@
+"""Loading a target and a draft model (`load_pair`): a folder, a .gguf file or an embedded model; the draft
+must share the target's vocabulary; the fast CPU kernels are swapped in here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from speculor.errors import SpeculorError
+from speculor.runtime import embedded
+from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
+from speculor.runtime.model import Model
+
+
+@dataclass
+class Pair:
+    """A target, an optional draft model sharing its vocabulary, and their tokenizer."""
+
+    target: Model
+    draft: Model | None
+    tokenizer: PreTrainedTokenizerBase
+    target_name: str = ""
+    draft_name: str = ""
+
+
+def resolve(spec: str) -> tuple[Path, str | None]:
+    """A model spec -> (folder, gguf file name or None). 'default-target'/'default-draft', an embedded
+    name, a folder of a transformers model, or a .gguf file."""
+    if spec in embedded.EMBEDDED:
+        return embedded.ensure(spec), None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir() and (path / "config.json").exists():
+        return path, None
+    raise SpeculorError(
+        f"no model at {spec!r}: give a folder with config.json, a .gguf file, 'default', or one of "
+        f"{', '.join(embedded.EMBEDDED)}")
+
+
+def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load (model, tokenizer) from a spec (see `resolve`); a corrupt file gets a clear error."""
+    folder, gguf = resolve(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+        raise SpeculorError(f"could not load the model at {spec!r} (corrupt or unsupported file?): {exc}") from exc
+    if len(tokenizer) < 2:  # transformers quietly builds an empty tokenizer when the files are missing
+        raise SpeculorError(f"the model at {spec!r} has no usable tokenizer (tokenizer files missing?)")
+    return model, tokenizer
+
+
+def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
+    """Refuse a draft whose token ↔ id mapping differs from the target's."""
+    vt, vd = target_tok.get_vocab(), draft_tok.get_vocab()
+    if vt != vd:
+        diff = len(set(vt.items()) ^ set(vd.items()))
+        raise SpeculorError(
+            f"the draft's vocabulary differs from the target's ({len(vd)} vs {len(vt)} tokens, {diff} entries "
+            "differ); speculative decoding needs a draft with the target's tokenizer")
+
+
+def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
+              dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True) -> Pair:
+    """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
+
+    packed: on a CPU in fp32, run the target's multi-row matmuls through prepacked oneDNN weights;
+    draft_int8: run the draft with int8 weights (kernels.py). Neither changes what is generated: the
+    target's arithmetic stays fp32, and the draft only proposes.
+    """
+    target = embedded.DEFAULT_TARGET if target == "default" else target
+    draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
+    t_model, tokenizer = load_model(target, device=device, dtype=dtype)
+    if packed:
+        pack_linears(t_model)
+    t_lm = Model(t_model)
+    d_lm = None
+    if draft is not None:
+        d_model, d_tok = load_model(draft, device=device, dtype=dtype)
+        check_same_vocab(tokenizer, d_tok)
+        if packed or draft_int8:
+            pack_linears(d_model, Int8Linear if draft_int8 else PackedLinear)
+        d_lm = Model(d_model, vocab_size=t_lm.vocab_size)
+    return Pair(t_lm, d_lm, tokenizer, target, draft or "")

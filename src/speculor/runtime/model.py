@@ -1,0 +1,75 @@
+"""`Model`: a causal LM shared by every request, run one *block* at a time against a request's `KVCache`.
+
+A block is a list of new tokens with parents inside the block (-1 = attends only to the cache): a chain
+for a prompt, [root] + nodes for a draft tree. `Model.forward` runs one block with the tree mask and
+depth-based positions; the cache's `keep` commits the chosen block rows and drops the rest. The
+uncommitted entries after the committed ones form the *pending region*; `forward(..., append=True)`
+extends it instead of replacing it, so a draft tree can be grown one depth per forward, each new row
+attending to its ancestors among the earlier pending entries. The model holds weights only: every
+request brings its own cache. Masks and positions are arguments of the forward call; no modeling file
+is patched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculor.core.tree import attention_mask, position_ids
+from speculor.runtime.cache import KVCache
+
+
+class Model:
+    """A transformers causal LM shared by every request: runs a block of tokens against a request's `KVCache`."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+
+    @staticmethod
+    def new_cache() -> KVCache:
+        return KVCache()
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, tokens: torch.Tensor | list[int], parents: torch.Tensor | None = None,
+                hidden: bool = False, *, append: bool = False,
+                last: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, V] (fp32) for a block of n tokens after the cache's committed entries ([1, V], the last
+        row's, with last=True: the vocabulary projection, 1/7 of the target's flops, is then made for one row).
+
+        The block's rows become pending entries b..b+n-1 of the pending region, where b = 0 (the region is
+        emptied first) unless append=True (b = entries already pending). parents[i] is the region index of
+        row i's parent (< b + i), -1 = none: a row attends to the committed cache, its ancestors and itself,
+        at position length + depth. append=False with parents=None is a chain; with append=True parents=None
+        continues the last pending entry. With hidden=True also returns the last hidden states [n, H].
+        """
+        if not append:
+            cache.trim(cache.length)
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        b, n = len(cache.pending), len(tokens)
+        if parents is None:
+            parents = torch.arange(b - 1, b + n - 1)
+        region = torch.cat([cache.pending, torch.as_tensor(parents, dtype=torch.long)])
+        out = self.model(
+            input_ids=tokens[None].to(self.device),
+            position_ids=position_ids(region, cache.length)[:, b:].to(self.device),
+            attention_mask=attention_mask(region, cache.length, self.dtype)[:, :, b:].to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+            logits_to_keep=1 if last else 0,
+        )
+        cache.pending = region
+        logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
+        return (logits, out.hidden_states[-1][0]) if hidden else logits
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Cut or pad (with -inf, i.e. zero probability) the last dimension to `vocab_size`."""
+    v = logits.shape[-1]
+    if v >= vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

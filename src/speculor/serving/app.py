@@ -1,0 +1,207 @@
+"""OpenAI-compatible HTTP server: `create_app(pair)` builds a FastAPI app, `serve(pair)` runs it with uvicorn.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
+events in the OpenAI format), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+
+Request fields follow the OpenAI API, with these choices:
+
+* `temperature` defaults to 1.0 as in OpenAI (0 = greedy); `top_p` to 1.0; `top_k` (extension) to 0 = off.
+* `max_tokens` defaults to 16 for /v1/completions (as in OpenAI) and, for chat, to the rest of the context.
+* `stop` is a string or a list of up to 16 strings; `seed` makes sampling reproducible; only `n = 1`.
+* `speculative` (extension): `{"strategy": "chain", "k": 4, ...}`; a request that names no strategy uses
+  the server's strategy and options, overridden by the options it gives.
+* `model` is accepted and ignored: the server serves one model, the one GET /v1/models lists.
+* Unknown fields are ignored; fields of the wrong type are refused (strict validation, no coercion).
+* `usage` adds `tau` (tokens per target forward) and `accepted_tokens` (emitted tokens that were draft
+  tokens accepted by verification) to the OpenAI counts.
+
+Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for bad input
+(a `SpeculorError` from the library included), 404/405 for unknown routes, 429 when the queue is full,
+500 (with no details) only for a server bug.
+
+Concurrency: every generation has its own KV caches (the models hold weights only), and one generation
+runs at a time per pair. Requests become jobs in a FIFO queue served by one worker thread (the event
+loop never runs the model); `queue_size` bounds the jobs waiting behind the running one, and a request
+that finds the queue full gets 429 at once. The worker checks a job's cancel flag after every token: a
+streaming client that disconnects (or a non-streaming one that hangs up) stops its generation at the
+next token, and the worker moves on to the next job.
+
+This module is the app itself: the endpoints and what they share. The parts live beside it: `schemas`
+(request bodies), `errors` (OpenAI-style error bodies and handlers), `metrics` (Prometheus), `scheduler`
+(the job queue and its worker thread) and `formats` (response objects and server-sent events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from speculor import engine
+from speculor.api import Speculor
+from speculor.config import SamplingConfig
+from speculor.errors import SpeculorError
+from speculor.runtime.loading import Pair
+from speculor.serving.errors import APIError, bad_request, install_error_handlers
+from speculor.serving.formats import Format, JobStream, collect, sse_stream
+from speculor.serving.metrics import Metrics, MetricsMiddleware
+from speculor.serving.scheduler import Job, Scheduler
+from speculor.serving.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerationRequest, SpeculativeOptions
+
+logger = logging.getLogger("speculor.serving.app")
+
+
+@dataclass
+class _Server:
+    """What the endpoints share: the engine, its scheduler, metrics and the served model's name."""
+
+    sp: Speculor
+    scheduler: Scheduler
+    metrics: Metrics
+    model: str
+
+    def context_length(self) -> int:
+        return self.sp.pair.target.context_length
+
+    def check_ids(self, ids: list[int]) -> None:
+        emb = self.sp.pair.target.model.get_input_embeddings()
+        vocab = getattr(emb, "num_embeddings", self.sp.pair.target.vocab_size)
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            self.check_ids(prompt)
+            ids = prompt
+        else:
+            try:
+                ids = self.sp.encode(prompt)
+            except SpeculorError as exc:
+                raise bad_request(exc, "prompt") from exc
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
+        try:
+            ids = self.sp.encode_chat([m.flat() for m in messages])
+        except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or the template refused them
+            raise APIError(400, f"cannot apply the chat template to these messages: {exc}",
+                           param="messages") from exc
+        if not ids:
+            raise APIError(400, "the chat template produced an empty prompt", param="messages")
+        return ids
+
+    def make_job(self, req: GenerationRequest, ids: list[int], max_tokens: int | None, param: str) -> Job:
+        """Validate sampling, context and strategy; a Job for them. Raises APIError 400."""
+        room = self.context_length() - len(ids)
+        if room <= 0:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room for new tokens in the model's "
+                           f"context length ({self.context_length()})", param=param, code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                           f"context length ({self.context_length()})", param="max_tokens",
+                           code="context_length_exceeded")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if not all(stop):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        try:
+            cfg = SamplingConfig(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                                 max_new_tokens=max_tokens or room, stop=stop)
+            engine.check_prompt(ids, cfg, self.sp.pair.target)
+        except SpeculorError as exc:
+            raise bad_request(exc) from exc
+        strategy, options = self._strategy(req.speculative)
+        return Job(ids, cfg, strategy, options, asyncio.get_running_loop())
+
+    def _strategy(self, spec: SpeculativeOptions | None) -> tuple[str | None, dict[str, Any]]:
+        """(strategy or None for the server's, options) of a request, checked by building its shared part."""
+        if spec is None:
+            return None, {}
+        options = dict(spec.model_extra or {})
+        try:
+            name, merged = self.sp.options_for(spec.strategy, options)
+            self.sp.strategy_for(name, **merged)
+        except SpeculorError as exc:
+            raise bad_request(exc, "speculative") from exc
+        return spec.strategy, options
+
+    async def respond(self, request: Request, req: GenerationRequest, job: Job, chat: bool) -> Response:
+        """Queue the job (429 if full) and answer with a stream or, once done, a whole response."""
+        self.scheduler.submit(job)
+        fmt = Format(chat, self.model, job.id)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return JobStream(job, sse_stream(job, fmt, include_usage))
+        text, done = await collect(job, request)
+        return JSONResponse(fmt.full(text, done.finish_reason, done.usage))
+
+
+def _routes(app: FastAPI, srv: _Server) -> None:
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        ids = srv.encode_prompt(req.prompt)
+        return await srv.respond(request, req, srv.make_job(req, ids, req.max_tokens, "prompt"), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request) -> Response:
+        ids = srv.encode_messages(req.messages)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await srv.respond(request, req, srv.make_job(req, ids, max_tokens, "messages"), chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0,
+                                            "owned_by": "speculor"}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": srv.model, "queue_depth": srv.scheduler.depth(),
+                "queue_size": srv.scheduler.queue_size, "running": srv.scheduler.running is not None}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return srv.metrics.render()
+
+
+def create_app(pair: Pair, strategy: str = "chain", queue_size: int = 64, **options: Any) -> FastAPI:
+    """A FastAPI app serving `pair` with a default `strategy` and its `options` (e.g. k=4).
+
+    At most one generation runs at a time on the pair (FIFO; each has its own caches); `queue_size` (>= 1)
+    requests may wait behind it, more get 429. The worker thread starts with the first request and stops
+    at the app's shutdown. Raises SpeculorError for a bad strategy or queue size.
+    """
+    sp = Speculor(pair, strategy=strategy, **options)
+    metrics = Metrics()
+    srv = _Server(sp, Scheduler(sp, queue_size, metrics), metrics, pair.target_name or "speculor")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(srv.scheduler.stop)
+
+    app = FastAPI(title="speculor", version="0.1.0", lifespan=lifespan)
+    app.state.server = srv
+    install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    _routes(app, srv)
+    return app
+
+
+def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str = "chain", queue_size: int = 64,
+          **options: Any) -> None:
+    """Serve `pair` over HTTP until interrupted (see `create_app`)."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(pair, strategy=strategy, queue_size=queue_size, **options)
+    logger.info("serving %s with strategy %r on http://%s:%d/v1", pair.target_name or "speculor", strategy,
+                host, port)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the server, served by GET /metrics.
+
+Contract: `Metrics` holds one app's metrics in a registry of its own (several apps may live in one process);
+`MetricsMiddleware` counts every HTTP request by endpoint (one of ENDPOINTS, else "other") and status and
+times it to the end of its body, streams included. The generation metrics are filled by the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client as prom
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0)
+
+
+class Metrics:
+    """Prometheus metrics of one app, in a registry of its own (several apps may live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        self.requests = prom.Counter("speculor_requests", "HTTP requests by endpoint and status",
+                                     ["endpoint", "status"], registry=r)
+        self.latency = prom.Histogram("speculor_request_latency_seconds",
+                                      "HTTP request latency, to the end of the response body", ["endpoint"],
+                                      registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.generations = prom.Counter("speculor_generations", "generations by outcome (completed, cancelled, "
+                                        "failed)", ["outcome"], registry=r)
+        self.tokens = prom.Counter("speculor_generated_tokens", "tokens generated (cancelled generations "
+                                   "included)", registry=r)
+        self.accepted = prom.Counter("speculor_accepted_draft_tokens", "generated tokens that were accepted "
+                                     "draft tokens", registry=r)
+        self.tau = prom.Histogram("speculor_tau", "tokens per target forward of each completed generation",
+                                  registry=r, buckets=TAU_BUCKETS)
+        self.queue_depth = prom.Gauge("speculor_queue_depth", "requests waiting for the engine", registry=r)
+        self.running = prom.Gauge("speculor_running_generations", "generations running (0 or 1)", registry=r)
+
+    def render(self) -> Response:
+        return Response(prom.generate_latest(self.registry), media_type=prom.CONTENT_TYPE_LATEST)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by endpoint and status and times it to the end of its body (streams too)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)

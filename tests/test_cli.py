@@ -1,0 +1,227 @@
+"""The command line: `--help` and `loadtest` start without torch, strategy options reach only a strategy that
+takes them (refused before any model is loaded), the registry's messages, and every name the commands import.
+No model is loaded here: the pair loader is replaced by one that fails the test if it is called."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from speculor import cli, commands
+from speculor.errors import SpeculorError
+
+COMMANDS = ["generate", "bench", "calibrate", "profile", "train-head", "tune-threshold", "fetch-models", "serve",
+            "loadtest"]
+HEAVY = ("torch", "transformers")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (this one has torch imported already); its last stdout line is JSON."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def no_pair(monkeypatch):
+    """Fail the test if a command gets as far as loading a model pair."""
+    def load(args):
+        raise AssertionError("the model pair was loaded")
+
+    monkeypatch.setattr(commands, "load_pair_from_args", load)
+
+
+# ------------------------------------------------------------------------------------------- no torch at start
+
+
+def test_help_of_every_command_imports_no_torch() -> None:
+    proc = _python(f"""
+        import json, sys
+        from speculor.cli import main
+        codes = []
+        for argv in [["--help"]] + [[c, "--help"] for c in {COMMANDS!r}]:
+            try:
+                main(argv)
+            except SystemExit as exc:
+                codes.append(exc.code)
+        print(json.dumps({{"codes": codes, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"codes": [0] * (len(COMMANDS) + 1), "heavy": []}
+    assert "strategy options" in proc.stdout and "loadtest" in proc.stdout
+
+
+def test_loadtest_against_a_closed_port_fails_cleanly_without_torch() -> None:
+    port = _closed_port()
+    proc = _python(f"""
+        import json, sys
+        from speculor.bench import prompts
+        prompts.load = lambda sets, limit: [prompts.Prompt("p", "mtbench", "writing", "Hello", True)]
+        from speculor.cli import main
+        try:
+            main(["loadtest", "--help"])
+        except SystemExit:
+            pass
+        code = main(["loadtest", "--url", "http://127.0.0.1:{port}", "--clients", "1", "--max-tokens", "1"])
+        print(json.dumps({{"code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "heavy": []}
+    assert f"speculor: error: cannot connect to http://127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_loadtest_refuses_bad_clients(capsys) -> None:
+    assert cli.main(["loadtest", "--clients", "1,x"]) == 2
+    assert "--clients takes comma-separated integers" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- strategy options
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--strategy", "chain", "--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),
+    (["--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),  # chain is the default
+    (["--strategy", "sequoia", "--k", "2", "--head", "h"],
+     "strategy 'sequoia' takes no option 'head', 'k' (its options: budget, depth, width, acc)"),
+    (["--strategy", "specdecpp", "--width", "4"],
+     "strategy 'specdecpp' takes no option 'width' (its options: threshold, k_min, k_max, head)"),
+    (["--strategy", "plain", "--k", "2"], "strategy 'plain' takes no option 'k' (its options: none)"),
+])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_an_option_the_strategy_does_not_take_is_refused(command, argv, message, no_pair, capsys) -> None:
+    assert cli.main(command + argv) == 2
+    assert capsys.readouterr().err.strip() == f"speculor: error: {message}"
+
+
+def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
+    import speculor.api
+
+    seen = []
+    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: "pair")
+
+    class Recorder:
+        def __init__(self, pair, strategy, **options):
+            seen.append((pair, strategy, options))
+            raise SpeculorError("stop here")
+
+    monkeypatch.setattr(speculor.api, "Speculor", Recorder)
+    assert cli.main(["generate", "--prompt", "hi", "--strategy", "sequoia", "--budget", "auto", "--depth", "5"]) == 2
+    assert cli.main(["generate", "--prompt", "hi", "--strategy", "specdecpp", "--k-min", "3",
+                     "--threshold", "0.5"]) == 2
+    assert cli.main(["generate", "--prompt", "hi"]) == 2
+    assert seen == [("pair", "sequoia", {"budget": "auto", "depth": 5}),
+                    ("pair", "specdecpp", {"threshold": 0.5, "k_min": 3}), ("pair", "chain", {})]
+
+    served = []
+    fake = types.ModuleType("speculor.serving.app")
+    fake.serve = lambda pair, **kw: served.append((pair, kw))
+    monkeypatch.setitem(sys.modules, "speculor.serving.app", fake)
+    assert cli.main(["serve", "--strategy", "topk-tree", "--k", "3", "--budget", "12", "--port", "1"]) == 0
+    assert served == [("pair", {"host": "127.0.0.1", "port": 1, "strategy": "topk-tree", "queue_size": 64,
+                                "k": 3, "budget": 12})]
+
+
+@pytest.mark.parametrize("strategies, message", [
+    ("plain,chain:depth=2", "strategy 'chain' takes no option 'depth' (its options: k)"),
+    ("hf-assisted:k=2", "'hf-assisted:k=2': the transformers peer 'hf-assisted' takes no options"),
+    ("nope", "unknown strategy 'nope'"),
+])
+def test_bench_refuses_bad_strategies_before_loading(strategies, message, no_pair, capsys) -> None:
+    assert cli.main(["bench", "--strategies", strategies]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_strategy_lists_every_registered_strategy(no_pair, capsys) -> None:
+    from speculor.drafters.registry import BUILDERS, make_strategy, options_of
+    from speculor.runtime.loading import Pair
+
+    for call in (lambda: make_strategy("nope", Pair(None, None, None)), lambda: options_of("nope")):
+        with pytest.raises(SpeculorError, match="unknown strategy 'nope'") as info:
+            call()
+        assert all(name in str(info.value) for name in BUILDERS)
+    assert cli.main(["generate", "--prompt", "hi", "--strategy", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speculor: error: unknown strategy 'nope'") and all(name in err for name in BUILDERS)
+
+
+def test_options_of_matches_each_builders_keyword_parameters() -> None:
+    from speculor.drafters.registry import BUILDERS, make_strategy, options_of
+    from speculor.runtime.loading import Pair
+
+    for name, builder in BUILDERS.items():
+        params = list(inspect.signature(builder).parameters.values())
+        assert params[0].name == "pair", name
+        assert options_of(name) == [p.name for p in params[1:]], name
+        assert all(p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+                   for p in params[1:]), name  # every option is optional and may be given by keyword
+        with pytest.raises(SpeculorError, match=f"strategy '{name}' takes no option 'nope' "):
+            make_strategy(name, Pair(None, None, None), nope=1)  # refused before the pair is touched
+
+
+def test_the_clis_static_tables_agree_with_the_registry() -> None:
+    """--help names the strategies and which take each option without importing the registry (torch)."""
+    from speculor.drafters.registry import BUILDERS, options_of
+
+    assert cli.STRATEGIES == tuple(BUILDERS)
+    assert cli.TAKEN_BY == {opt: tuple(n for n in BUILDERS if opt in options_of(n)) for opt in cli.TAKEN_BY}
+
+
+def test_bench_help_shows_the_bench_defaults(capsys) -> None:
+    from speculor.bench.run import DEFAULTS, QUICK, fill_defaults
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {DEFAULTS['strategies']})" in text and f"(default {DEFAULTS['limit']})" in text
+    assert f"(default {DEFAULTS['max_new_tokens']})" in text and f"(default {DEFAULTS['temperatures']})" in text
+    assert f"{QUICK['limit']} prompts, {QUICK['max_new_tokens']} tokens" in text
+    args = cli._parser().parse_args(["bench", "--quick", "--limit", "5"])
+    fill_defaults(args)
+    assert args.limit == 5 and args.strategies == QUICK["strategies"]
+
+
+# ------------------------------------------------------------------------------------------- imports resolve
+
+
+def test_every_name_the_commands_import_exists() -> None:
+    """The command functions import lazily; every `from M import N` there, and every `M.N` read from a module
+    imported so, must resolve (a stale name of the old flat layout fails here, not in front of a user)."""
+    tree = ast.parse(Path(cli.__file__).with_name("commands.py").read_text())
+    checked = 0
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        modules: dict[str, object] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    try:  # a submodule, as in `from speculor.bench import prompts`
+                        target = importlib.import_module(f"{node.module}.{alias.name}")
+                    except ModuleNotFoundError:
+                        target = importlib.import_module(node.module)
+                        assert hasattr(target, alias.name), f"{fn.name}: {node.module}.{alias.name}"
+                        target = getattr(target, alias.name)
+                    modules[alias.asname or alias.name] = target
+                    checked += 1
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                mod = modules[node.value.id]
+                if isinstance(mod, types.ModuleType):
+                    assert hasattr(mod, node.attr), f"{fn.name}: {mod.__name__}.{node.attr}"
+                    checked += 1
+    assert checked > 30
