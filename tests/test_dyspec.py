@@ -1,4 +1,4 @@
-"""DySpec (ALGORITHMS.md §5) on toy LMs: heap values and expansion order on a crafted draft, the threshold variant
+"""DySpec (docs/algorithms.md §5) on toy LMs: heap values and expansion order on a crafted draft, the threshold variant
 reproducing the heap tree (§5.2), the auto budget's rule, the exact law of full decoding at temperature 1
 (chi-square) for both variants, and a negative control (children pruned by value after sampling) that is caught."""
 

@@ -131,7 +131,7 @@ def test_max_new_tokens_truncates_a_step(target, max_new):
 
 
 def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed0: int) -> torch.Tensor:
-    """Counts [V]*N of the first N tokens over m seeded generations (one target model and drafter reused, as a server would)."""
+    """Counts [V]*N of the first N tokens over m seeded generations (the models reused, as a server would)."""
     t_model, drafter = Model(target), ChainDrafter(Model(draft), 2)
     counts = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):

@@ -1,4 +1,4 @@
-"""GSD (ALGORITHMS.md §8) on hand-built DAGs and toy LMs: the merge criterion (k = -1, 0, 1, 2; ancestors
+"""GSD (docs/algorithms.md §8) on hand-built DAGs and toy LMs: the merge criterion (k = -1, 0, 1, 2; ancestors
 excluded), unrolling (copies, real nodes, the budget, cycles), the work-saved numbers, drafting with merges,
 greedy output equal to plain greedy, and the exact law of full decoding at temperature 1 (matching rule)."""
 

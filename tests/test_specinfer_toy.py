@@ -1,6 +1,6 @@
 """Full tree decoding through `engine.stream` with the toy LMs of toy.py: the law of the first N tokens of SpecInfer
 trees (expansion-based, and merged from several drafters with point-mass, i.i.d. and other-temperature children) is
-the target's (chi-square, ALGORITHMS.md §10.3), a mislabelled tree is caught, and greedy output is plain greedy."""
+the target's (chi-square, docs/algorithms.md §10.3), a mislabelled tree is caught, and greedy output is plain greedy."""
 
 from __future__ import annotations
 
@@ -86,5 +86,6 @@ def test_chi_square_catches_swor_children_verified_as_iid(target, draft):
 @pytest.mark.parametrize("name", ["expansion", "merged"])
 @pytest.mark.parametrize("prompt", [[0], [1, 2], [5, 4, 3, 2], [3, 3, 3]])
 def test_greedy_equals_plain_greedy(target, draft, name, prompt):
-    out = [t.id for t in engine.stream(Model(target), drafters(draft)[name](), prompt, SamplingConfig(max_new_tokens=15))]
+    out = [t.id for t in engine.stream(Model(target), drafters(draft)[name](), prompt,
+                                       SamplingConfig(max_new_tokens=15))]
     assert out == plain_greedy(target, prompt, 15)

@@ -162,8 +162,8 @@ def test_speculative_greedy_equals_plain_greedy(target, drafts, which, k):
 
 def test_near_draft_exercises_partial_acceptance(target, drafts):
     stats = engine.Stats()
-    list(engine.stream(Model(target), ChainDrafter(Model(drafts["near"]), 3), PROMPTS[0], SamplingConfig(max_new_tokens=40),
-                       stats=stats))
+    list(engine.stream(Model(target), ChainDrafter(Model(drafts["near"]), 3), PROMPTS[0],
+                       SamplingConfig(max_new_tokens=40), stats=stats))
     assert {0, 3} <= {s.accepted for s in stats.steps} and len({s.accepted for s in stats.steps}) >= 3
 
 

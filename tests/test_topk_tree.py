@@ -1,4 +1,4 @@
-"""EAGLE-2-style `topk-tree` (ALGORITHMS.md §6) on toy LMs: reranking keeps the tree connected on exact ties, the
+"""EAGLE-2-style `topk-tree` (docs/algorithms.md §6) on toy LMs: reranking keeps the tree connected on exact ties, the
 tree built on a crafted draft, greedy output equal to plain greedy, and the exact law of full decoding at
 temperature 1 with point-mass verification (chi-square)."""
 

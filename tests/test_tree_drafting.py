@@ -1,6 +1,6 @@
 """Tree drafting on tiny random transformers Qwen2 models (fp32, CPU, no download): the pending-region forward of
-`Model` into a `KVCache`, `TreeDrafter`'s per-depth logits against plain forwards over each node's root path (also after commits),
-greedy output of `specinfer` / merged / `ngram` equal to plain greedy, and bad options."""
+`Model` into a `KVCache`, `TreeDrafter`'s per-depth logits against plain forwards over each node's root path (also
+after commits), greedy output of `specinfer` / merged / `ngram` equal to plain greedy, and bad options."""
 
 from __future__ import annotations
 

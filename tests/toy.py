@@ -6,11 +6,11 @@ The toy is a second-order Markov chain over a small vocabulary V:
     logits(next | ..., x_{t-2}, x_{t-1}) = A[x_{t-1}] + B[x_{t-2}]      (B_start instead when x_{t-2} does not exist)
 
 It keeps its context in the request's KV cache (a `speculor.runtime.cache.KVCache`; token ids stored as float
-keys/values of shape [1, 1, S, 1]) and reads
-the 4-D additive attention mask to find, for every query row, the entries it attends to (in index order: the cached
-prefix, then the row's ancestors, then the row itself). A token tree is therefore scored in each node's true context,
-and any mask, position or cache bug in the engine changes the toy's output. The toy also asserts that every row's
-position id equals its context length - 1, so a flat (non-depth) position is caught at once.
+keys/values of shape [1, 1, S, 1]) and reads the 4-D additive attention mask to find, for every query row, the entries
+it attends to (in index order: the cached prefix, then the row's ancestors, then the row itself). A token tree is
+therefore scored in each node's true context, and any mask, position or cache bug in the engine changes the toy's
+output. The toy also asserts that every row's position id equals its context length - 1, so a flat (non-depth)
+position is caught at once.
 """
 
 from __future__ import annotations

@@ -167,6 +167,7 @@ class StepCost(Protocol):
     def step_s(self, shape: Sequence[int]) -> float: ...
 
 
+@dataclass(frozen=True)
 class Choice:
     """The tree chosen for a machine: n nodes (root included), d levels, its shape, F and seconds per step."""
 
