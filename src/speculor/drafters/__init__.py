@@ -1,0 +1,1 @@
+"""Drafters (per request) and strategies (per pair, shared): the shared base, one module per strategy, the registry."""

@@ -147,15 +147,15 @@ def model_identity(spec: str, config: Any = None) -> dict[str, Any]:
     return {"name": spec, "sha256": hashlib.sha256(text.encode()).hexdigest(), "sha256_of": "config"}
 
 
-def check_head_fits(record: dict[str, Any], lm: Model, draft_name: str, *, explicit: bool) -> None:
+def check_head_fits(record: dict[str, Any], draft: Model, draft_name: str, *, explicit: bool) -> None:
     """Refuse a head of another hidden size; a head trained for another draft is refused when it is the
     packaged default (the user did not choose it) and only warned about when given explicitly."""
-    hidden = getattr(lm.model.config, "hidden_size", None)
+    hidden = getattr(draft.model.config, "hidden_size", None)
     if hidden is not None and int(record["hidden_size"]) != int(hidden):
         raise SpeculorError(f"the SpecDec++ head takes hidden size {record['hidden_size']}, the draft has {hidden}; "
                             "train a head for this draft with `speculor train-head`")
     want = record.get("draft", {})
-    have = model_identity(draft_name, lm.model.config) if draft_name else {}
+    have = model_identity(draft_name, draft.model.config) if draft_name else {}
     if want.get("sha256") and have.get("sha256") != want.get("sha256"):
         msg = (f"the SpecDec++ head was trained for the draft {want.get('name')!r}, not {draft_name or 'this one'!r}"
                "; train one with `speculor train-head` and pass head=PATH")

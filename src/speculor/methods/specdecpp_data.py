@@ -184,11 +184,11 @@ def build_dataset(pair: Pair, cfg: DataConfig, folder: Path, *, progress: bool =
     bar.close()
 
 
-def draft_kernel(lm: Model) -> str:
+def draft_kernel(draft: Model) -> str:
     """How the draft's matmuls ran when its hidden states were taken (the head should see the engine's)."""
     from speculor.runtime.kernels import linear_kinds
 
-    return f"{linear_kinds(lm.model)} on {lm.device}, {str(lm.dtype).removeprefix('torch.')}"
+    return f"{linear_kinds(draft.model)} on {draft.device}, {str(draft.dtype).removeprefix('torch.')}"
 
 
 def _write_shard(path: Path, rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
