@@ -90,3 +90,21 @@ def test_peak_memory_sees_a_new_allocation_after_a_reset() -> None:
     del block
     bench.reset_peak_memory(cpu)
     assert bench.peak_memory_gib(cpu) < after - 0.2  # the reset starts a new high-water mark
+
+
+def test_bench_batch_writes_l_at_b_entries(pair, tmp_path, monkeypatch) -> None:
+    """--batch: every strategy at every batch size, plain@1 the reference; greedy identity prompt by prompt."""
+    prompts = [Prompt(f"p/{i}", "mtbench", "writing", TEXTS[i % len(TEXTS)], True) for i in range(3)]
+    monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
+    args = _args("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--limit", "3", "--max-new-tokens", "10",
+                 "--batch", "2,3", "--out", str(tmp_path))
+    summary = bench.run(args, lambda a: pair)
+    assert set(summary) == {f"{s}@{b}" for s in ("plain", "chain:k=2", "ngram") for b in (1, 2, 3)}  # no peer
+    for key, s in summary.items():
+        assert s["greedy_identical"] == 1.0 and s["n_prompts"] == 3 and s["new_tokens"] == 30, key
+        assert s["tokens_per_s"] > 0 and s["speedup"] > 0
+    assert summary["plain@1"]["speedup"] == pytest.approx(1.0) and summary["plain@3"]["plain_steps"] == 1.0
+    assert 1 <= summary["chain:k=2@3"]["tau"] <= 3 and summary["chain:k=2@3"]["mean_tree_size"] == 2
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * 3 * 3 and {r["group_size"] for r in records if r["batch"] == 2} == {1, 2}
+    assert "| chain:k=2@3 |" in (tmp_path / "table.md").read_text()

@@ -73,6 +73,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median wall time is kept")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="folder for records.jsonl, summary.json, table.md and plots")
+    p.add_argument("--batch", default=None, help="comma-separated batch sizes, e.g. 1,4,16: every strategy with that "
+                   "many prompts decoded together (entries 'L@B'; plain@1 is always run as the reference)")
     p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the two "
                    "transformers peers, 2 prompts, 32 tokens; flags given explicitly still apply")
 

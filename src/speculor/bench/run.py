@@ -128,6 +128,8 @@ def run(args: Any, load_pair) -> dict[str, Any]:
             sp.tokens([1], SamplingConfig(max_new_tokens=1), strategy=s.name, **s.options)
     encoded = [sp.encode(p.text, chat=p.chat) for p in prompts]
     _warm_up(sp, specs, encoded[0][:WARM_UP_TOKENS])
+    if getattr(args, "batch", None):
+        return _run_batched(args, sp, [s for s in specs if s.name not in PEERS], prompts, encoded)
     records = []
     bar = tqdm(total=len(temps) * len(prompts) * len(specs), desc="bench", unit="gen")
     for temp in temps:
@@ -150,6 +152,30 @@ def run(args: Any, load_pair) -> dict[str, Any]:
     print(format_table(summary))
     if args.out:
         _write(Path(args.out), records, summary, args)
+    return summary
+
+
+def _run_batched(args: Any, sp: Speculor, specs: list[Spec], prompts: list, encoded: list[list[int]]) -> dict:
+    """--batch: every strategy at every batch size (bench/batch.py); transformers' peers do not batch."""
+    from speculor.bench.batch import format_batched, run_batched, sampling, summarize_batched
+
+    sizes = sorted({int(b) for b in str(args.batch).split(",")})
+    if any(b < 1 for b in sizes):
+        raise SpeculorError(f"--batch takes batch sizes >= 1, got {args.batch!r}")
+    cfg_of, greedy = sampling(args)
+    records = run_batched(sp, specs, prompts, encoded, sorted(set(sizes) | {1}), cfg_of)
+    summary = summarize_batched(records, greedy)
+    print(format_batched(summary))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "records.jsonl").open("w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        meta = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        (out / "summary.json").write_text(json.dumps({**summary, "_run": meta}, indent=2))
+        (out / "table.md").write_text(format_batched(summary) + "\n")
+        print(f"wrote {out}/records.jsonl, summary.json, table.md")
     return summary
 
 

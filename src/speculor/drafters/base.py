@@ -54,6 +54,18 @@ class Strategy(Protocol):
     def drafter(self) -> Drafter: ...
 
 
+@dataclass
+class BatchLedger:
+    """What the requests that proposed before this one in a batched step commit the batch to: target rows (1 + tree
+    size each), expected tokens (1 + Σ node values each, 1 where unknown) and draft seconds; `pending` = requests
+    still to propose (a root row each). A batch-aware drafter (`batch_aware = True`) gets it as `ledger`."""
+
+    rows: int = 0
+    tokens: float = 0.0
+    draft_s: float = 0.0
+    pending: int = 0
+
+
 @dataclass(frozen=True)
 class Shared:
     """A strategy whose shared part is its models and options alone: `make` builds a request's drafter from them."""

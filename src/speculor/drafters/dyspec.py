@@ -40,7 +40,7 @@ from speculor.config import SamplingConfig, is_int, is_num
 from speculor.core.sampling import check_finite, sample, warp
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import Shared, catch_up, feed, keep_fed_path
+from speculor.drafters.base import BatchLedger, Shared, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
 from speculor.runtime.cost import CostModel, machine_cost
 from speculor.runtime.loading import Pair
@@ -54,6 +54,7 @@ AUTO_THRESHOLD = 1e-3  # smallest draw value with budget="auto" (the cost model 
 # the embedded pair (6 prompts, 48 tokens, one run each): budget 16, tau 4.04 at 11.9 nodes (1) -> 4.75 at 12.8
 # (0.5) -> 4.58 (0.3); budget auto, tau 3.04 at 2.7 nodes -> 3.69 at 4.2, speed unchanged (1.36x vs 1.37x plain).
 GREEDY_VALUE_TEMPERATURE = 0.5
+FIRST_RATE = 0.8  # prior of the share of steps whose first draft token is accepted (batch-aware auto budget)
 
 
 # ---------------------------------------------------------------- shared by the dynamic drafters
@@ -91,14 +92,19 @@ def steer(t: float, size: int, cap: int) -> float:
 
 
 def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float, extra_nodes: int = 1,
-          extra_draft_s: float = 0.0) -> bool:
+          extra_draft_s: float = 0.0, batch: BatchLedger | None = None) -> bool:
     """Does adding `extra_nodes` draft tokens of estimated value `gain` (and `extra_draft_s` of draft forwards)
     raise the estimated tokens per second of the step? tokens ≈ 1 + Σ v, seconds = draft + t_target(n + 1):
 
         (1 + S + gain) / (draft_s + extra + t_target(n + extra_nodes + 1))  >  (1 + S) / (draft_s + t_target(n + 1))
+
+    In a batch (docs/algorithms.md §11) the step is the batch's: the other requests' expected tokens T_o, draft
+    seconds D_o and target rows R_o join both sides, (T_o + 1 + S) / (D_o + draft_s + t_target(R_o + n + 1)), so
+    one more row must pay for the whole batch's forward growing, and at high load nothing does.
     """
-    now = (1 + value_sum) / (draft_s + cost.t_target(n + 1))
-    then = (1 + value_sum + gain) / (draft_s + extra_draft_s + cost.t_target(n + extra_nodes + 1))
+    t_o, d_o, r_o = (batch.tokens, batch.draft_s, batch.rows + batch.pending) if batch is not None else (0.0, 0.0, 0)
+    now = (t_o + 1 + value_sum) / (d_o + draft_s + cost.t_target(r_o + n + 1))
+    then = (t_o + 1 + value_sum + gain) / (d_o + draft_s + extra_draft_s + cost.t_target(r_o + n + extra_nodes + 1))
     return then > now
 
 
@@ -231,6 +237,11 @@ class DySpecDrafter:
         self.draw_values: list[float] = []
         self.stats: dict[str, float] = {}
         self.t = self.opts.t  # the threshold variant's current threshold
+        self.batch_aware = self.auto  # sized for the batch when run in one (`ledger`, set by the batched engine)
+        self.ledger: BatchLedger | None = None
+        self.expected_tokens = 1.0  # 1 + Σ v of the last proposal
+        self.first_rate = FIRST_RATE  # moving average of steps whose first draft token was accepted
+        self.skipped = False  # the last step drafted nothing (the batch is better off decoding this request plainly)
 
     @property
     def auto(self) -> bool:
@@ -241,6 +252,11 @@ class DySpecDrafter:
         self.t = self.opts.t
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        self.skipped = self.auto and self.ledger is not None and not self._speculation_pays()
+        if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
+            self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
+            self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
+            return Growth().tree(cfg.greedy)
         logits = catch_up(self.model, self.cache, seq)
         self.forwards = 1
         g = Growth(draft_s=self._t_draft(1))
@@ -251,14 +267,24 @@ class DySpecDrafter:
         else:
             self._grow_layers(g, root, cfg, generator)
         self.rows, self.values, self.draw_values = g.rows, g.values, g.draw_values
+        self.expected_tokens = 1 + sum(g.values)
         self.stats = {"nodes": len(g), "value_sum": sum(g.values), "fed_rows": len(g.rows), "threshold": self.t}
         if self.opts.adaptive:
             self.t = steer(self.t, len(g), self.opts.cap)
         return g.tree(cfg.greedy)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
+        if self.skipped:
+            return
         assert self.cache.length == n_committed, "the draft cache must hold exactly the committed tokens"
         keep_fed_path(self.cache, self.rows, verdict.path)
+        if self.auto:
+            self.first_rate = 0.9 * self.first_rate + 0.1 * bool(verdict.path)
+
+    def _speculation_pays(self) -> bool:
+        """In a batch: is a first draft token (catch-up forward included) worth its rows to the batch, at the rate
+        first tokens were accepted so far? When not, the request decodes plainly this step."""
+        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1, self._t_draft(1), self.ledger)
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
@@ -339,8 +365,9 @@ class DySpecDrafter:
         if not self.auto or not len(g):
             return True  # a fixed budget; or the first draw, which speculation always makes
         if slot.r is None:
-            return worth(self.cost, len(g), sum(g.values), g.draft_s, slot.v * slot.conf, 1, self._t_draft(1))
-        return worth(self.cost, len(g), sum(g.values), g.draft_s, expected_gain(slot.v, slot.r))
+            return worth(self.cost, len(g), sum(g.values), g.draft_s, slot.v * slot.conf, 1, self._t_draft(1),
+                         self.ledger)
+        return worth(self.cost, len(g), sum(g.values), g.draft_s, expected_gain(slot.v, slot.r), batch=self.ledger)
 
     def _layer_pays(self, g: Growth, expand: dict[int, Slot]) -> bool:
         """auto: is one more depth worth a draft forward over `expand`? Each fed node's first draw is estimated
@@ -348,7 +375,8 @@ class DySpecDrafter:
         if not self.auto:
             return True
         gain = sum(s.v * s.conf for s in expand.values())
-        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, len(expand), self._t_draft(len(expand)))
+        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, len(expand), self._t_draft(len(expand)),
+                     self.ledger)
 
 
 def make_dyspec(pair: Pair, variant: Variant = "threshold", budget: int | str = 16, threshold: float | None = None,

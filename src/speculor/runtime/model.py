@@ -12,10 +12,15 @@ is patched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from speculor.core.tree import attention_mask, position_ids
+from speculor.runtime import batched
 from speculor.runtime.cache import KVCache
+
+Block = tuple[KVCache, "torch.Tensor | list[int]", "torch.Tensor | None"]  # (a request's cache, tokens, parents)
 
 
 class Model:
@@ -27,6 +32,7 @@ class Model:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.batched = batched.enable(model)  # one forward for several requests' blocks (`forward_batch`)
 
     @staticmethod
     def new_cache() -> KVCache:
@@ -64,6 +70,35 @@ class Model:
         cache.pending = region
         logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
         return (logits, out.hidden_states[-1][0]) if hidden else logits
+
+    @torch.inference_mode()
+    def forward_batch(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
+        """Logits [n_i, V] for each request's block (cache_i, tokens_i, parents_i), as `forward(cache_i, tokens_i,
+        parents_i)` gives them, from ONE forward over the stacked rows when the model can batch (runtime/batched.py:
+        linear layers over all rows, attention per request); one forward per block otherwise."""
+        if not self.batched or len(blocks) == 1:
+            return [self.forward(cache, tokens, parents) for cache, tokens, parents in blocks]
+        segments, ids, positions, start = [], [], [], 0
+        for cache, tokens, parents in blocks:
+            cache.trim(cache.length)
+            tokens = torch.as_tensor(tokens, dtype=torch.long)
+            n = len(tokens)
+            region = torch.arange(-1, n - 1) if parents is None else torch.as_tensor(parents, dtype=torch.long)
+            mask = attention_mask(region, cache.length, self.dtype).to(self.device)
+            segments.append(batched.Segment(cache, start, start + n, mask))
+            ids.append(tokens)
+            positions.append(position_ids(region, cache.length))
+            start += n
+        batch = batched.Batch(tuple(segments))
+        out = self.model(input_ids=torch.cat(ids)[None].to(self.device),
+                         position_ids=torch.cat(positions, dim=1).to(self.device),
+                         attention_mask={"full_attention": batch}, past_key_values=batched.BatchWriter(batch),
+                         use_cache=True)
+        logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
+        for (cache, _, parents), s in zip(blocks, segments, strict=True):
+            cache.pending = torch.arange(-1, s.stop - s.start - 1) if parents is None else torch.as_tensor(
+                parents, dtype=torch.long)
+        return [logits[s.start:s.stop] for s in segments]
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

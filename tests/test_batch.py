@@ -1,0 +1,190 @@
+"""Batched decoding (engine/batch.py, runtime/batched.py): one target forward for several requests, each attending to
+its own cache; a request's output does not depend on its batch (greedy: token for token; sampled: the exact law,
+and with fixed trees the same sample for the same seed); the batch-aware budget falls back to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_toy import PROMPT, N, V, goodness_of_fit
+from toy import exact_law, perturbed
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from speculor import SamplingConfig, engine
+from speculor.core.tree import block_parents
+from speculor.drafters.base import BatchLedger, ChainDrafter, NgramDrafter, TreeDrafter
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions, worth
+from speculor.engine import batch as batched_engine
+from speculor.runtime.cost import CostModel
+from speculor.runtime.kernels import can_pack, pack_linears
+from speculor.runtime.model import Model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB = 64
+
+
+def tiny(seed: int, layers: int = 2) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=1024)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    if can_pack(model):  # the engine's kernels: oneDNN's multi-row GEMM gives every row the same bits in any batch
+        pack_linears(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Model, Model]:
+    return Model(tiny(0)), Model(tiny(1, layers=1))
+
+
+PROMPTS = [[3, 14, 15, 9, 2, 6], [27, 18, 28], [1, 1, 2, 3, 5, 8, 13, 21, 34], [60, 61]]
+
+
+def prefilled(model: Model, prompt: list[int]):
+    cache = model.new_cache()
+    model.forward(cache, prompt)
+    cache.keep(list(range(len(prompt))))
+    return cache
+
+
+def test_one_forward_gives_each_block_its_own_logits(pair):
+    target, _ = pair
+    assert target.batched
+    blocks = [([5, 6, 7], [-1, 0]), ([11], []), ([1, 2, 3, 4], [-1, -1, 0]), ([9, 9], [-1])]
+    alone = [target.forward(prefilled(target, p), t, block_parents(torch.tensor(par, dtype=torch.long)))
+             for p, (t, par) in zip(PROMPTS, blocks, strict=True)]
+    caches = [prefilled(target, p) for p in PROMPTS]
+    calls = target.model.model.embed_tokens.forward
+    counted = []
+    target.model.model.embed_tokens.forward = lambda x: counted.append(x.shape) or calls(x)
+    try:
+        together = target.forward_batch([(c, t, block_parents(torch.tensor(par, dtype=torch.long)))
+                                         for c, (t, par) in zip(caches, blocks, strict=True)])
+    finally:
+        target.model.model.embed_tokens.forward = calls
+    assert counted == [torch.Size([1, 10])]  # one forward over the 10 stacked rows
+    for a, b, (t, _) in zip(alone, together, blocks, strict=True):
+        assert b.shape == (len(t), VOCAB)
+        assert (a - b).abs().max() < 1e-5
+        if len(t) > 1:  # multi-row blocks: the very same bits as alone
+            assert torch.equal(a, b)
+    for c, p, (t, _) in zip(caches, PROMPTS, blocks, strict=True):  # each cache got its own rows, and only them
+        assert c.get_seq_length() == len(p) + len(t) and c.length == len(p)
+
+
+def run_batch(target, makers, prompts, cfgs) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in prompts]
+    entries = [(make(), p, c) for make, p, c in zip(makers, prompts, cfgs, strict=True)]
+    for i, toks in batched_engine.generate(target, entries):
+        out[i].extend(t.id for t in toks)
+    return out
+
+
+def test_batched_greedy_is_token_identical_to_each_request_alone(pair):
+    target, draft = pair
+    makers = [lambda: None, lambda: ChainDrafter(draft, 3), lambda: TreeDrafter(draft, [-1, -1, 0, 1, 2], "swor"),
+              lambda: NgramDrafter(k=4)]
+    cfgs = [SamplingConfig(max_new_tokens=n) for n in (10, 14, 7, 12)]
+    alone = [[t.id for t in engine.stream(target, make(), p, c)] for make, p, c in zip(makers, PROMPTS, cfgs,
+                                                                                      strict=True)]
+    assert run_batch(target, makers, PROMPTS, cfgs) == alone
+    assert run_batch(target, makers[1:3], PROMPTS[1:3], cfgs[1:3]) == alone[1:3]  # other neighbours, same output
+
+
+def test_a_sampled_request_depends_on_its_own_seed_only(pair):
+    """Fixed trees: a request's sample is the same alone and in two different batches (other seeds, temperatures,
+    strategies); it changes with its own seed."""
+    target, draft = pair
+    mine = SamplingConfig(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=12)
+    alone = [t.id for t in engine.stream(target, ChainDrafter(draft, 2), PROMPTS[0], mine)]
+    others = [SamplingConfig(temperature=1.3, seed=8, max_new_tokens=9), SamplingConfig(max_new_tokens=15)]
+    got = run_batch(target, [lambda: ChainDrafter(draft, 2), lambda: TreeDrafter(draft, [-1, -1, 0], "iid"),
+                             lambda: None], PROMPTS[:3], [mine, *others])
+    assert got[0] == alone
+    got = run_batch(target, [lambda: ChainDrafter(draft, 2), lambda: NgramDrafter()], PROMPTS[:2], [mine, others[1]])
+    assert got[0] == alone
+    other_seed = SamplingConfig(temperature=0.9, top_p=0.95, seed=8, max_new_tokens=12)
+    assert run_batch(target, [lambda: ChainDrafter(draft, 2)], PROMPTS[:1], [other_seed])[0] != alone
+
+
+# ---------------------------------------------------------------- the exact law, batched (toy LM, chi-square)
+
+MIXED = [(lambda d: ChainDrafter(d, 2), SamplingConfig(temperature=1.0, max_new_tokens=N)),
+         (lambda d: TreeDrafter(d, [-1, -1, 0, 1], "swor"), SamplingConfig(temperature=0.7, top_p=0.9,
+                                                                             max_new_tokens=N)),
+         (lambda d: TreeDrafter(d, [-1, -1, -1], "iid"), SamplingConfig(temperature=1.3, max_new_tokens=N + 2))]
+
+
+def batched_counts(target, draft, m: int, seed0: int) -> list[torch.Tensor]:
+    """Counts [V]*N of each request's first N tokens over m batches of the three MIXED requests."""
+    t_model, d_model = Model(target), Model(draft)
+    counts = [torch.zeros([V] * N, dtype=torch.float64) for _ in MIXED]
+    for j in range(m):
+        entries = [(make(d_model), PROMPT, SamplingConfig(temperature=c.temperature, top_p=c.top_p, seed=seed0 + 3 * j
+                                                          + i, max_new_tokens=c.max_new_tokens))
+                   for i, (make, c) in enumerate(MIXED)]
+        out: list[list[int]] = [[] for _ in MIXED]
+        for i, toks in batched_engine.generate(t_model, entries):
+            out[i].extend(t.id for t in toks)
+        for i, o in enumerate(out):
+            counts[i][tuple(o[:N])] += 1
+    return counts
+
+
+def test_batched_sampling_follows_the_exact_law(target):
+    for (_, cfg), counts in zip(MIXED, batched_counts(target, perturbed(target, seed=1, noise=0.8), 2500, 5000),
+                                strict=True):
+        pvalue, tv, floor = goodness_of_fit(counts, exact_law(target, PROMPT, cfg, N))
+        assert pvalue > 1e-3, f"T={cfg.temperature}: chi-square p-value {pvalue:.2e} (TV {tv:.4f}, floor {floor:.4f})"
+        assert tv < 2 * floor
+
+
+def test_chi_square_catches_rows_verified_against_another_request(target, monkeypatch):
+    """Negative control: a batch whose logits reach the wrong requests (rotated by one) must be caught."""
+    def rotated(self, blocks):
+        out = [self.forward(c, t, p) for c, t, p in blocks]
+        return out[1:] + out[:1]
+    monkeypatch.setattr(Model, "forward_batch", rotated)
+    t_model = Model(target)
+    counts = torch.zeros([V] * N, dtype=torch.float64)
+    for j in range(1500):
+        entries = [(None, PROMPT, SamplingConfig(temperature=1.0, seed=9000 + 2 * j, max_new_tokens=N)),
+                   (None, PROMPT + [0], SamplingConfig(temperature=0.5, seed=9001 + 2 * j, max_new_tokens=N))]
+        out: list[list[int]] = [[], []]
+        for i, toks in batched_engine.generate(t_model, entries):
+            out[i].extend(t.id for t in toks)
+        counts[tuple(out[0])] += 1
+    pvalue, tv, _ = goodness_of_fit(counts, exact_law(target, PROMPT, SamplingConfig(temperature=1.0), N))
+    assert pvalue < 1e-6, f"rows of another request not detected: p-value {pvalue:.2e}, TV {tv:.4f}"
+
+
+# ---------------------------------------------------------------- the batch-aware budget
+
+FLAT = CostModel((1, 2, 64), (0.30, 0.33, 2.0), (1, 64), (0.06, 0.2))  # target 0.3 s for 1 row, ~26 ms per row after
+
+
+def test_worth_in_a_batch_charges_the_whole_batch():
+    assert worth(FLAT, 0, 0.0, 0.0, 0.8, 1, 0.06)  # alone: a likely draft token pays for itself
+    crowd = BatchLedger(rows=15, tokens=15.0, draft_s=0.0, pending=0)
+    assert not worth(FLAT, 0, 0.0, 0.0, 0.8, 1, 0.06, crowd)  # 15 others decoding plainly: it does not
+    assert worth(FLAT, 0, 0.0, 0.0, 0.8, 1, 0.06, BatchLedger())  # an empty ledger is the single-request rule
+
+
+def test_batch_aware_dyspec_decodes_plainly_under_load(pair):
+    target, draft = pair
+    opts = DySpecOptions(budget="auto")
+    d = DySpecDrafter(draft, opts, FLAT)
+    d.ledger = BatchLedger(rows=15, tokens=15.0, pending=0)
+    tree = d.propose(PROMPTS[0], SamplingConfig(), None)
+    assert len(tree) == 0 and d.forwards == 0 and d.skipped
+    d.ledger = BatchLedger()
+    tree = d.propose(PROMPTS[0], SamplingConfig(), None)
+    assert len(tree) >= 1 and d.forwards >= 1 and not d.skipped
+    # in a batch of 16 identical-cost requests, greedy output is still each request's own
+    cfg = SamplingConfig(max_new_tokens=8)
+    makers = [lambda: DySpecDrafter(draft, opts, FLAT)] * 16
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    alone = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts[:4]]
+    got = run_batch(target, makers, prompts, [cfg] * 16)
+    assert got[:4] == alone
