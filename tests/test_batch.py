@@ -188,3 +188,25 @@ def test_batch_aware_dyspec_decodes_plainly_under_load(pair):
     alone = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts[:4]]
     got = run_batch(target, makers, prompts, [cfg] * 16)
     assert got[:4] == alone
+
+
+def test_batch_aware_sequoia_sizes_its_tree_for_the_batch(pair):
+    """Sequoia's auto budget in a batch: alone it picks the plan's tree (the single-stream choice); behind 15
+    requests decoding plainly a draft row costs more than it returns, so it decodes plainly; greedy output is
+    each request's own either way."""
+    from speculor.drafters.sequoia import SequoiaOptions, SequoiaPlans
+
+    target, draft = pair
+    plans = SequoiaPlans(draft, "t", "d", SequoiaOptions("auto", depth=4, width=4, acc=(0.6, 0.1, 0.05, 0.02)), FLAT)
+    cfg = SamplingConfig(max_new_tokens=8)
+    alone = plans.for_batch(cfg, BatchLedger())
+    assert alone is not None and alone.shape == plans.plan(cfg).shape
+    assert plans.for_batch(cfg, BatchLedger(rows=15, tokens=15.0)) is None
+    d = plans.drafter()
+    d.ledger = BatchLedger(rows=15, tokens=15.0)
+    assert len(d.propose(PROMPTS[0], cfg, None)) == 0 and d.skipped and d.forwards == 0
+    d.ledger = BatchLedger()
+    assert len(d.propose(PROMPTS[0] + [5], cfg, None)) == len(alone.shape) and not d.skipped
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    want = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts]
+    assert run_batch(target, [plans.drafter] * 6, prompts, [cfg] * 6) == want

@@ -97,7 +97,6 @@ def test_loadtest_refuses_bad_clients(capsys) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--strategy", "chain", "--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),
-    (["--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),  # chain is the default
     (["--strategy", "sequoia", "--k", "2", "--head", "h"],
      "strategy 'sequoia' takes no option 'head', 'k' (its options: budget, depth, width, acc)"),
     (["--strategy", "specdecpp", "--width", "4"],
@@ -108,6 +107,17 @@ def test_loadtest_refuses_bad_clients(capsys) -> None:
 def test_an_option_the_strategy_does_not_take_is_refused(command, argv, message, no_pair, capsys) -> None:
     assert cli.main(command + argv) == 2
     assert capsys.readouterr().err.strip() == f"speculor: error: {message}"
+
+
+@pytest.mark.parametrize("command, argv, message", [
+    (["generate", "--prompt", "hi"], ["--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),
+    (["serve"], ["--k", "3"], "strategy 'dyspec' takes no option 'k' (its options: variant, budget, threshold, "
+                              "depth, temperature, batch)"),
+])
+def test_the_default_strategy_refuses_what_it_does_not_take(command, argv, message, no_pair, capsys) -> None:
+    """generate's default strategy is chain; serve's is the batch-aware dyspec (budget auto)."""
+    assert cli.main(command + argv) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
@@ -132,10 +142,14 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
     served = []
     fake = types.ModuleType("speculor.serving.app")
     fake.serve = lambda pair, **kw: served.append((pair, kw))
+    fake.DEFAULT_STRATEGY = ("dyspec", {"budget": "auto"})
     monkeypatch.setitem(sys.modules, "speculor.serving.app", fake)
     assert cli.main(["serve", "--strategy", "topk-tree", "--k", "3", "--budget", "12", "--port", "1"]) == 0
+    assert cli.main(["serve", "--depth", "4", "--max-batch", "16"]) == 0  # the default: dyspec, budget auto
     assert served == [("pair", {"host": "127.0.0.1", "port": 1, "strategy": "topk-tree", "queue_size": 64,
-                                "k": 3, "budget": 12})]
+                                "max_batch": 8, "k": 3, "budget": 12}),
+                      ("pair", {"host": "127.0.0.1", "port": 8000, "strategy": "dyspec", "queue_size": 64,
+                                "max_batch": 16, "budget": "auto", "depth": 4})]
 
 
 @pytest.mark.parametrize("strategies, message", [

@@ -1,4 +1,4 @@
-"""Sequoia (docs/algorithms.md §4): the DP against brute force, tree reconstruction, the hardware-aware choice on synthetic
+"""Sequoia (docs §4): the DP against brute force, tree reconstruction, the hardware-aware choice on synthetic
 cost models, calibration counting and full decoding with tiny models."""
 
 from __future__ import annotations

@@ -387,7 +387,7 @@ def _queued(http: httpx.Client) -> tuple[bool, int]:
 
 
 def test_requests_are_served_in_arrival_order(pair: Pair, http: httpx.Client, caplog) -> None:
-    """Jobs queued behind a held engine run first-come first-served, each with its own answer."""
+    """Jobs queued behind a held engine join the batch first-come first-served, each with its own answer."""
     caplog.set_level("INFO", logger="speculor.serving.app")
     prompts = [f"Order {i}" for i in range(5)]
     expected = [reference(pair, p, 6).text for p in prompts]
@@ -406,8 +406,9 @@ def test_requests_are_served_in_arrival_order(pair: Pair, http: httpx.Client, ca
         t.join(30)
     assert [answers[i]["choices"][0]["text"] for i in range(len(prompts))] == expected
     ids = [answers[i]["id"].removeprefix("cmpl-") for i in range(len(prompts))]
-    served = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("generation ")]
-    assert [job for job in served if job in ids] == ids
+    admitted = [r.getMessage().split()[1] for r in caplog.records
+                if r.getMessage().startswith("generation ") and " admitted " in r.getMessage()]
+    assert [job for job in admitted if job in ids] == ids  # joined the running batch in arrival order
 
 
 def test_full_queue_answers_429(pair: Pair) -> None:
@@ -507,3 +508,40 @@ def test_create_app_and_serve_arguments(pair: Pair, monkeypatch) -> None:
     server.serve(pair, host="127.0.0.1", port=8123, strategy="plain", queue_size=3)
     assert seen["port"] == 8123 and seen["host"] == "127.0.0.1"
     assert seen["app"].state.server.scheduler.queue_size == 3 and seen["app"].state.server.sp.strategy == "plain"
+
+
+def test_concurrent_requests_share_one_batch(pair: Pair) -> None:
+    """Continuous batching: requests that arrive together run in one batch (the batch-size histogram sees steps of
+    several requests), each with its own strategy (a plain opt-out, chain with its own k, the server's default,
+    prompt lookup) and sampling settings, and each answer is the one it gets alone."""
+    specs = [{"strategy": "plain"}, {"k": 2}, None, {"strategy": "ngram"}]
+    sampling = [{}, {"temperature": 0.8, "seed": 3}, {}, {}]
+    with live_server(create_app(pair, strategy="chain", max_batch=4)) as base, \
+            httpx.Client(base_url=base, timeout=60) as http:
+        answers: dict[int, dict] = {}
+
+        def post(i: int) -> None:
+            body = {"prompt": TEXTS[i], "max_tokens": 24, "temperature": 0, **sampling[i]}
+            if specs[i] is not None:
+                body["speculative"] = specs[i]
+            answers[i] = http.post("/v1/completions", json=body).json()
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        with hold_target(pair):  # the first prefill waits, the others queue: then they join one by one
+            for i, t in enumerate(threads):
+                t.start()
+                _wait(lambda i=i: _queued(http) == (1, i), f"request {i} to queue")
+        for t in threads:
+            t.join(60)
+        steps = metrics(http)
+    sp = Speculor(pair)
+    for i in range(4):
+        want = sp.generate(sp.encode(TEXTS[i]), SamplingConfig(max_new_tokens=24, **sampling[i]),
+                           **({} if specs[i] is None else specs[i])).text
+        assert answers[i]["choices"][0]["text"] == want, i
+        assert answers[i]["usage"]["steps"] >= 1 and answers[i]["usage"]["tokens_per_step"] >= 1
+    assert answers[0]["usage"]["drafted_tokens"] == 0 and answers[1]["usage"]["drafted_tokens"] > 0
+    count = steps[("speculor_batch_size_count", ())]
+    alone = steps[("speculor_batch_size_bucket", (("le", "1.0"),))]
+    assert count > alone > 0  # some steps ran several requests together
+    assert steps[("speculor_rows_per_step_count", ())] == count

@@ -1,4 +1,4 @@
-"""SpecDec++ (docs/algorithms.md §7) without downloads: the head, its file, the labels and loss, the stopping rule with its
+"""SpecDec++ (docs §7) without downloads: the head, its file, the labels and loss, the stopping rule with its
 one-token lag, the drafter on toy and tiny Qwen2 pairs (output identical to plain decoding whatever the head; exact
 law by chi-square), thresholds, training on synthetic features, and the transformers peers' settings."""
 

@@ -1,4 +1,4 @@
-"""Acceptance rules of verify.py on crafted distributions, checked by exact enumeration (docs/algorithms.md §1, §2, §10).
+"""Acceptance rules of verify.py on crafted distributions, checked by exact enumeration (docs §1, §2, §10).
 
 Notation of the papers: p is the target distribution, q the draft's; d_j the law the j-th sibling was drawn from.
 

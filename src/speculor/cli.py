@@ -33,13 +33,14 @@ def _budget(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def _add_strategy_args(p: argparse.ArgumentParser) -> None:
+def _add_strategy_args(p: argparse.ArgumentParser, default: str | None = "chain") -> None:
     """--strategy and the strategy options; an option is passed on only when given, and only a strategy that
     takes it accepts it (`_strategy_options`)."""
     g = p.add_argument_group("strategy options", "Each option is taken only by the strategies named in its help; "
                              "giving one that the chosen strategy does not take is an error. Not given: the "
                              "strategy's own default.")
-    g.add_argument("--strategy", default="chain", help=f"one of {', '.join(STRATEGIES)} (default: chain)")
+    g.add_argument("--strategy", default=default, help=f"one of {', '.join(STRATEGIES)} (default: "
+                   f"{default or 'dyspec with --budget auto, sized for the running batch'})")
 
     def opt(flag: str, what: str, **kw) -> None:
         taken = ", ".join(TAKEN_BY[flag.lstrip("-").replace("-", "_")])
@@ -124,16 +125,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--queue-size", type=int, default=64)
-    _add_strategy_args(s)
+    s.add_argument("--max-batch", type=int, default=8, help="most requests decoded together (continuous batching)")
+    _add_strategy_args(s, default=None)
     _add_model_args(s)
 
     lt = sub.add_parser("loadtest", help="latency and throughput of a running server at several concurrencies")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
-    lt.add_argument("--clients", default="1,4,16", help="comma-separated concurrencies, one round each")
+    lt.add_argument("--clients", default="1,4,16,32", help="comma-separated concurrencies, one round each")
     lt.add_argument("--requests", type=int, default=1, help="requests per client in a round, one after another")
-    lt.add_argument("--max-tokens", type=int, default=32)
-    lt.add_argument("--strategy", default=None, help="the request's speculative strategy (default: the server's)")
-    lt.add_argument("--out", default=None, help="JSON file for the rows")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--strategy", default=None, help="the requests' speculative strategy, or several comma-separated "
+                    "(one series each; default: the server's)")
+    lt.add_argument("--out", default=None, help="JSON file for the rows (and a PNG plot beside it)")
     return ap
 
 

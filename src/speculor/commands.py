@@ -161,11 +161,16 @@ def cmd_fetch_models(args: Args) -> None:
 
 
 def cmd_serve(args: Args) -> None:
-    options = _strategy_options(args)  # refused before the pair is loaded
-    from speculor.serving.app import serve
+    from speculor.serving.app import DEFAULT_STRATEGY, serve
 
+    default = args.strategy is None
+    if default:  # the batch-aware strategy
+        args.strategy = DEFAULT_STRATEGY[0]
+    options = _strategy_options(args)  # refused before the pair is loaded
+    if default:
+        options = {**DEFAULT_STRATEGY[1], **options}
     serve(load_pair_from_args(args), host=args.host, port=args.port, strategy=args.strategy,
-          queue_size=args.queue_size, **options)
+          queue_size=args.queue_size, max_batch=args.max_batch, **options)
 
 
 def cmd_loadtest(args: Args) -> None:
@@ -178,12 +183,15 @@ def cmd_loadtest(args: Args) -> None:
     except ValueError:
         raise SpeculorError(f"--clients takes comma-separated integers, got {args.clients!r}") from None
     texts = [p.text for p in prompts.load(["mtbench", "humaneval"], 16)]
-    spec = {"strategy": args.strategy} if args.strategy else None
-    rows = loadtest.run(args.url, texts, clients, requests=args.requests,
-                        max_tokens=args.max_tokens, speculative=spec)
+    rows = []
+    for name in (args.strategy.split(",") if args.strategy else [None]):  # one series per strategy
+        spec = {"strategy": name} if name else None
+        rows += [r | {"strategy": name} for r in loadtest.run(args.url, texts, clients, requests=args.requests,
+                                                              max_tokens=args.max_tokens, speculative=spec)]
     print(loadtest.format_rows(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        loadtest.plot_rows(rows, Path(args.out).with_suffix(".png"))
 
 
 def cmd_bench(args: Args) -> None:

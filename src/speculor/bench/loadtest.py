@@ -95,13 +95,24 @@ async def _round(url: str, prompts: list[str], clients: int, requests: int, max_
         return [pr for prs in per_client for pr in prs], time.perf_counter() - t0
 
 
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank: the value below which a share q of them lie; q = 0.99 is p99)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(q * len(xs) + 0.999999) - 1))]
+
+
 def summarize(results: list[Result], wall: float, clients: int) -> dict[str, Any]:
+    """A round's throughput (all completion tokens ÷ its wall time) and per-request latency: time to the first
+    token (TTFT), time per output token after it (TPOT = (latency - TTFT) / (tokens - 1)), medians and p99."""
     lat = sorted(r.latency_s for r in results)
     tokens = sum(r.tokens for r in results)
     taus = [r.tau for r in results if r.tau is not None]
+    ttft = [r.ttft_s for r in results]
+    tpot = [(r.latency_s - r.ttft_s) / max(r.tokens - 1, 1) for r in results]
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
             "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "ttft_median_s": statistics.median(r.ttft_s for r in results),
+            "ttft_median_s": statistics.median(ttft), "ttft_p99_s": quantile(ttft, 0.99),
+            "tpot_median_s": statistics.median(tpot), "tpot_p99_s": quantile(tpot, 0.99),
             "latency_median_s": statistics.median(lat), "latency_max_s": lat[-1],
             "tau_mean": statistics.mean(taus) if taus else None}
 
@@ -123,12 +134,37 @@ def run(url: str, prompts: list[str], concurrencies: list[int], *, requests: int
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    lines = ["| clients | requests | tokens | wall s | tokens/s | TTFT median s | latency median s | latency max s "
-             "| tau | answers differing |", "|" + "---|" * 10]
+    lines = ["| strategy | clients | requests | tokens | wall s | tokens/s | TTFT p50 / p99 s | TPOT p50 / p99 s "
+             "| latency p50 / max s | tau | answers differing |", "|" + "---|" * 11]
     for r in rows:
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
-        lines.append(f"| {r['clients']} | {r['requests']} | {r['tokens']} | {r['wall_s']:.1f} | "
-                     f"{r['throughput_tokens_per_s']:.2f} | {r['ttft_median_s']:.2f} | {r['latency_median_s']:.1f} | "
-                     f"{r['latency_max_s']:.1f} | {tau} | {r['answers_differing']} |")
+        lines.append(f"| {r.get('strategy') or 'server default'} | {r['clients']} | {r['requests']} | {r['tokens']} "
+                     f"| {r['wall_s']:.1f} | {r['throughput_tokens_per_s']:.2f} "
+                     f"| {r['ttft_median_s']:.2f} / {r['ttft_p99_s']:.2f} "
+                     f"| {r['tpot_median_s']:.3f} / {r['tpot_p99_s']:.3f} "
+                     f"| {r['latency_median_s']:.1f} / {r['latency_max_s']:.1f} | {tau} | {r['answers_differing']} |")
     return "\n".join(lines)
+
+
+def plot_rows(rows: list[dict[str, Any]], path: Any) -> None:
+    """Throughput, median TTFT and median TPOT against concurrency, one line per strategy (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for name in dict.fromkeys(r.get("strategy") or "server default" for r in rows):
+        mine = [r for r in rows if (r.get("strategy") or "server default") == name]
+        xs = [r["clients"] for r in mine]
+        for ax, key, label in zip(axes, ("throughput_tokens_per_s", "ttft_median_s", "tpot_median_s"),
+                                  ("tokens/s (all requests)", "TTFT median (s)", "time per output token, median (s)"),
+                                  strict=True):
+            ax.plot(xs, [r[key] for r in mine], "o-", label=name)
+            ax.set(xlabel="concurrent clients", ylabel=label, xscale="log", xticks=xs, xticklabels=xs)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("speculor serve under load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 

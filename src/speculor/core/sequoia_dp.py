@@ -182,19 +182,24 @@ class Choice:
         return self.expected_tokens / self.step_s
 
 
-def choose_tree(acc: Sequence[float], cost: StepCost, n_max: int, d_max: int, n_min: int = 2) -> Choice:
-    """argmax over n_min <= n <= n_max, d <= d_max of G(n, d) / step time, G = Tmax[n][d] (§4.2):
-    expected tokens per second, with the step time of the DP's own tree for (n, d) (`runtime.cost.CostModel.step_s`)."""
+def tree_choices(acc: Sequence[float], cost: StepCost, n_max: int, d_max: int, n_min: int = 2) -> list[Choice]:
+    """The DP's tree for every n_min <= n <= n_max and d <= d_max (a deeper limit that changes nothing skipped), with
+    G = Tmax[n][d] and the step time of that tree (`runtime.cost.CostModel.step_s`)."""
     table = optimal_trees(acc, n_max, d_max)
-    best: Choice | None = None
+    out = []
     for n in range(max(n_min, 1), n_max + 1):
         for d in range(1, d_max + 1):
             if not table.feasible(n, d) or (d > 1 and table.best[n, d] == table.best[n, d - 1]):
                 continue  # a deeper limit that changes nothing gives the same tree
             shape = tuple(table.shape(n, d))
-            c = Choice(n, d, shape, float(table.best[n, d]), cost.step_s(shape))
-            if best is None or c.tokens_per_s > best.tokens_per_s:
-                best = c
-    if best is None:
+            out.append(Choice(n, d, shape, float(table.best[n, d]), cost.step_s(shape)))
+    return out
+
+
+def choose_tree(acc: Sequence[float], cost: StepCost, n_max: int, d_max: int, n_min: int = 2) -> Choice:
+    """argmax over n_min <= n <= n_max, d <= d_max of G(n, d) / step time, G = Tmax[n][d] (§4.2): expected tokens
+    per second."""
+    choices = tree_choices(acc, cost, n_max, d_max, n_min)
+    if not choices:
         raise ValueError(f"no tree with {n_min}..{n_max} nodes within {d_max} levels")
-    return best
+    return max(choices, key=lambda c: c.tokens_per_s)

@@ -176,13 +176,13 @@ class TreeDrafter:
     """
 
     def __init__(self, model: Model, shape: Sequence[int], draw: Literal["iid", "swor"] = "iid",
-                 temperature: float | None = None) -> None:
+                 temperature: float | None = None, cache: KVCache | None = None) -> None:
         if draw not in ("iid", "swor"):
             raise SpeculorError(f"a tree drafter draws 'iid' or 'swor', got {draw!r}")
         if temperature is not None and not (isinstance(temperature, (int, float)) and 0 < temperature < 1e6):
             raise SpeculorError(f"a drafter temperature must be a number > 0, got {temperature!r}")
         self.model, self.shape, self.draw, self.temperature = model, check_shape(shape), draw, temperature
-        self.cache = model.new_cache()
+        self.cache = cache if cache is not None else model.new_cache()  # a request's own (given: shared by shapes)
         self.levels = shape_levels(self.shape)
         self.n_children = [0] * len(self.shape)
         for parent in self.shape:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from speculor.config import SamplingConfig, is_int
-from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees
+from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees, tree_choices
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import TreeDrafter
+from speculor.drafters.base import BatchLedger, TreeDrafter
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir, slug
 from speculor.runtime.cost import CostModel, machine_cost
@@ -177,6 +177,7 @@ class SequoiaPlans:
                  cost: CostModel | None = None) -> None:
         self.draft, self.names, self.opts, self.cost = draft, (target_name, draft_name), opts, cost
         self.plans: dict[tuple[float, float], Plan] = {}
+        self._choices: dict[tuple[float, float], list[Choice]] = {}
 
     def plan(self, cfg: SamplingConfig) -> Plan:
         key = (cfg.temperature, cfg.top_p)
@@ -185,6 +186,29 @@ class SequoiaPlans:
             shape, expected, choice = plan_tree(acc, self.opts, self.cost)
             self.plans[key] = Plan(shape, expected, source, choice)
         return self.plans[key]
+
+    def choices(self, cfg: SamplingConfig) -> list[Choice]:
+        """budget="auto": the DP's tree for every size and depth it searches (kept per temperature and top-p)."""
+        key = (-1.0 - cfg.temperature, cfg.top_p)  # beside the plans, apart from them
+        if key not in self._choices:
+            acc, _ = resolve_acc(self.opts.acc, *self.names, cfg)
+            self._choices[key] = tree_choices(list(acc)[: self.opts.width], self.cost, AUTO_NODES, self.opts.depth + 1)
+        return self._choices[key]
+
+    def for_batch(self, cfg: SamplingConfig, ledger: BatchLedger) -> Choice | None:
+        """The tree that maximises the batch's expected tokens per second given what the rest of the batch drafted
+        (docs/algorithms.md §11), None when decoding this request plainly does:
+
+            (T_o + F(T)) / (D_o + draft(T) + t_target(R_o + |T| + 1))   against   (T_o + 1) / (D_o + t_target(R_o + 1))
+        """
+        r_o = ledger.rows + ledger.pending
+        best, best_rate = None, (ledger.tokens + 1) / (ledger.draft_s + self.cost.t_target(r_o + 1))
+        for c in self.choices(cfg):
+            draft_s = c.step_s - self.cost.t_target(c.n)
+            rate = (ledger.tokens + c.expected_tokens) / (ledger.draft_s + draft_s + self.cost.t_target(r_o + c.n))
+            if rate > best_rate:
+                best, best_rate = c, rate
+        return best
 
     def drafter(self) -> SequoiaDrafter:
         return SequoiaDrafter(self)
@@ -197,22 +221,36 @@ class SequoiaDrafter:
 
     def __init__(self, plans: SequoiaPlans) -> None:
         self.plans = plans
+        self.cache = plans.draft.new_cache()  # this request's draft cache, whatever the tree's shape
         self.inner: TreeDrafter | None = None
         self.forwards = 0
+        self.batch_aware = plans.opts.budget == "auto"  # sized for the batch when run in one (`ledger`)
+        self.ledger: BatchLedger | None = None
+        self.expected_tokens = 1.0  # F of the last tree
+        self.skipped = False  # the last step drafted nothing: the batch is better off decoding this request plainly
 
     def reset(self) -> None:
-        self.inner = None
+        self.cache, self.inner = self.plans.draft.new_cache(), None
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        shape = list(self.plans.plan(cfg).shape)
+        plan = self.plans.plan(cfg)
+        shape, self.expected_tokens = list(plan.shape), plan.expected_tokens
+        if self.batch_aware and self.ledger is not None:  # decided from the batch and the plans: exact
+            choice = self.plans.for_batch(cfg, self.ledger)
+            self.skipped = choice is None
+            if self.skipped:
+                self.forwards, self.expected_tokens = 0, 1.0
+                return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, "point")
+            shape, self.expected_tokens = list(choice.shape), choice.expected_tokens
         if self.inner is None or self.inner.shape != shape:
-            self.inner = TreeDrafter(self.plans.draft, shape, draw="swor")
+            self.inner = TreeDrafter(self.plans.draft, shape, draw="swor", cache=self.cache)
         tree = self.inner.propose(seq, cfg, generator)
         self.forwards = self.inner.forwards
         return tree
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
-        self.inner.observe(n_committed, verdict)
+        if not self.skipped:
+            self.inner.observe(n_committed, verdict)
 
 
 def make_sequoia(pair: Pair, budget: int | str = 16, depth: int = 8, width: int = 8,

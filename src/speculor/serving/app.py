@@ -164,23 +164,31 @@ def _routes(app: FastAPI, srv: _Server) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": srv.model, "queue_depth": srv.scheduler.depth(),
-                "queue_size": srv.scheduler.queue_size, "running": srv.scheduler.running is not None}
+                "queue_size": srv.scheduler.queue_size, "running": srv.scheduler.size(),
+                "max_batch": srv.scheduler.max_batch}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return srv.metrics.render()
 
 
-def create_app(pair: Pair, strategy: str = "chain", queue_size: int = 64, **options: Any) -> FastAPI:
-    """A FastAPI app serving `pair` with a default `strategy` and its `options` (e.g. k=4).
+DEFAULT_STRATEGY = ("dyspec", {"budget": "auto"})  # batch-aware: sized from the cost curve for the running batch
 
-    At most one generation runs at a time on the pair (FIFO; each has its own caches); `queue_size` (>= 1)
-    requests may wait behind it, more get 429. The worker thread starts with the first request and stops
-    at the app's shutdown. Raises SpeculorError for a bad strategy or queue size.
+
+def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = 8,
+               **options: Any) -> FastAPI:
+    """A FastAPI app serving `pair` with a default `strategy` and its `options` (e.g. k=4); no strategy: DySpec
+    with the batch-aware auto budget (DEFAULT_STRATEGY).
+
+    Up to `max_batch` generations run together (continuous batching, serving/scheduler.py); `queue_size` (>= 1)
+    requests may wait for a place, more get 429. The worker thread starts with the first request and stops
+    at the app's shutdown. Raises SpeculorError for a bad strategy, queue size or batch size.
     """
+    if strategy is None:
+        strategy, options = DEFAULT_STRATEGY[0], {**DEFAULT_STRATEGY[1], **options}
     sp = Speculor(pair, strategy=strategy, **options)
     metrics = Metrics()
-    srv = _Server(sp, Scheduler(sp, queue_size, metrics), metrics, pair.target_name or "speculor")
+    srv = _Server(sp, Scheduler(sp, queue_size, metrics, max_batch), metrics, pair.target_name or "speculor")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -195,13 +203,13 @@ def create_app(pair: Pair, strategy: str = "chain", queue_size: int = 64, **opti
     return app
 
 
-def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str = "chain", queue_size: int = 64,
-          **options: Any) -> None:
+def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str | None = None, queue_size: int = 64,
+          max_batch: int = 8, **options: Any) -> None:
     """Serve `pair` over HTTP until interrupted (see `create_app`)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(pair, strategy=strategy, queue_size=queue_size, **options)
-    logger.info("serving %s with strategy %r on http://%s:%d/v1", pair.target_name or "speculor", strategy,
-                host, port)
+    app = create_app(pair, strategy=strategy, queue_size=queue_size, max_batch=max_batch, **options)
+    logger.info("serving %s with strategy %r (batches of up to %d) on http://%s:%d/v1", pair.target_name or
+                "speculor", strategy or DEFAULT_STRATEGY, max_batch, host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")

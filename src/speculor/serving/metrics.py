@@ -37,7 +37,20 @@ class Metrics:
         self.tau = prom.Histogram("speculor_tau", "tokens per target forward of each completed generation",
                                   registry=r, buckets=TAU_BUCKETS)
         self.queue_depth = prom.Gauge("speculor_queue_depth", "requests waiting for the engine", registry=r)
-        self.running = prom.Gauge("speculor_running_generations", "generations running (0 or 1)", registry=r)
+        self.running = prom.Gauge("speculor_running_generations", "generations in the running batch", registry=r)
+        self.batch_size = prom.Histogram("speculor_batch_size", "requests in each batched step", registry=r,
+                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.rows = prom.Histogram("speculor_rows_per_step", "target rows (roots + draft tokens) of each batched "
+                                   "step", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.accept_length = prom.Histogram("speculor_accepted_length", "draft tokens accepted per request and step",
+                                            registry=r, buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
+
+    def observe_step(self, batch: int, rows: int, accepted: list[int]) -> None:
+        """One batched step: its number of requests and target rows, and each request's accepted length."""
+        self.batch_size.observe(batch)
+        self.rows.observe(rows)
+        for a in accepted:
+            self.accept_length.observe(a)
 
     def render(self) -> Response:
         return Response(prom.generate_latest(self.registry), media_type=prom.CONTENT_TYPE_LATEST)

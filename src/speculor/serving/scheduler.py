@@ -1,10 +1,15 @@
-"""The generation queue: requests become `Job`s in a bounded FIFO run one at a time by one worker thread.
+"""Continuous batching: requests become `Job`s in a bounded FIFO; one worker thread runs the running batch step by
+step (engine/batch.py) and lets jobs join and leave it between steps (iteration-level scheduling).
 
-Contract: `Scheduler.submit` queues a job or raises APIError 429 when `queue_size` jobs already wait; the
-worker (started by the first submit, ended by `stop`) runs each job on the shared `Speculor` and hands its
-events (`Delta` text, then exactly one `Done` or `Failed`) to the job's event loop; it never raises. A
-job's `cancel` flag is checked before it starts and after every token. The event loop never runs the model.
-Outcomes, tokens and tau go to `Metrics`; each generation is logged on the "speculor.serving.app" logger.
+Contract: `Scheduler.submit` queues a job or raises APIError 429 when `queue_size` jobs already wait. The worker
+(started by the first submit, ended by `stop`) loops: admit the oldest waiting job if fewer than `max_batch` run
+(its prompt prefill runs then, one job per step, so a new request holds the running ones up for about one step),
+run one batched step over the running jobs, hand each job its new text (`Delta`), and end the jobs that are done
+(EOS, length, a stop string: `Done`) or whose client left (`cancel`, checked before admission and after every
+step: `Done("cancelled")`). Each job keeps its own strategy, options, sampling settings and seed; its output is
+what it would be alone (docs/algorithms.md §11). The worker never raises; the event loop never runs the model.
+Outcomes, tokens, tau, batch sizes, rows per step and accepted lengths go to `Metrics`; each generation is
+logged on the "speculor.serving.app" logger when it is admitted and when it ends.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 from speculor import engine
 from speculor.api import Detokenizer, Speculor
 from speculor.config import SamplingConfig
+from speculor.engine.batch import Active
+from speculor.engine.batch import step as batch_step
 from speculor.errors import SpeculorError
 from speculor.serving.errors import APIError, bad_request
 from speculor.serving.metrics import Metrics
@@ -81,22 +88,41 @@ class Job:
             self.cancel.set()
 
 
-class Scheduler:
-    """A bounded FIFO of jobs and the one worker thread that runs them, one at a time, on `sp`."""
+@dataclass
+class _Running:
+    """A job in the running batch: its request state, detokenizer and counts."""
 
-    def __init__(self, sp: Speculor, queue_size: int, metrics: Metrics) -> None:
+    job: Job
+    active: Active
+    detok: Detokenizer
+    progress: _Progress
+    t0: float
+
+
+class Scheduler:
+    """A bounded FIFO of jobs and the one worker thread that runs up to `max_batch` of them together on `sp`."""
+
+    def __init__(self, sp: Speculor, queue_size: int, metrics: Metrics, max_batch: int = 8) -> None:
         if not isinstance(queue_size, int) or queue_size < 1:
             raise SpeculorError(f"queue_size must be a positive integer, got {queue_size!r}")
-        self.sp, self.metrics, self.queue_size = sp, metrics, queue_size
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= 256:
+            raise SpeculorError(f"max_batch must be an integer in [1, 256], got {max_batch!r}")
+        self.sp, self.metrics, self.queue_size, self.max_batch = sp, metrics, queue_size, max_batch
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
         self._start_guard = threading.Lock()
-        self.running: Job | None = None
+        self._stopping = False
+        self.running: list[_Running] = []
+        self.starting: Job | None = None  # the job whose prefill runs now
         metrics.queue_depth.set_function(self.depth)
-        metrics.running.set_function(lambda: 0 if self.running is None else 1)
+        metrics.running.set_function(self.size)
+
+    def size(self) -> int:
+        """Jobs in the batch, the one being admitted included."""
+        return len(self.running) + (self.starting is not None)
 
     def depth(self) -> int:
-        """Jobs waiting (the running one not counted)."""
+        """Jobs waiting (the running ones not counted)."""
         return self._queue.qsize()
 
     def submit(self, job: Job) -> None:
@@ -109,9 +135,9 @@ class Scheduler:
                            "later", type="rate_limit_error", code="queue_full") from None
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job, fail the waiting ones (503) and end the worker thread."""
-        if self.running is not None:
-            self.running.cancel.set()
+        """Cancel the running jobs, fail the waiting ones (503) and end the worker thread."""
+        for job in [r.job for r in list(self.running)] + ([self.starting] if self.starting else []):
+            job.cancel.set()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -120,6 +146,7 @@ class Scheduler:
             if job is not None:
                 job.emit(Failed(APIError(503, "the server is shutting down", type="server_error")))
         if self._thread is not None:
+            self._stopping = True
             self._queue.put(None)
             self._thread.join(timeout)
             self._thread = None
@@ -127,60 +154,99 @@ class Scheduler:
     def _ensure_started(self) -> None:
         with self._start_guard:
             if self._thread is None:
+                self._stopping = False
                 self._thread = threading.Thread(target=self._work, name="speculor-engine", daemon=True)
                 self._thread.start()
 
     def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self.running = job
-            try:
-                self._run(job)
-            finally:
-                self.running = None
+        while not (self._stopping and not self.running):
+            job = self._next_job()
+            if job is not None:
+                self._admit(job)
+            if self.running:
+                self._step()
 
-    def _run(self, job: Job) -> None:
-        """Run one job to its end and emit its final event; never raises."""
-        t0 = time.perf_counter()
-        stats = engine.Stats()
-        progress = _Progress()
+    def _next_job(self) -> Job | None:
+        """The oldest waiting job if the batch has room (waits for one when nothing runs); None otherwise."""
+        if len(self.running) >= self.max_batch or self._stopping:
+            return None
         try:
-            outcome = self._generate(job, stats, progress)
-        except SpeculorError as exc:
-            job.emit(Failed(bad_request(exc)))
-            outcome = "failed"
-        except Exception:  # a bug: keep serving, tell the client nothing more than that
-            logger.exception("generation %s failed", job.id)
-            job.emit(Failed(APIError(500, "internal server error during generation", type="server_error")))
-            outcome = "failed"
-        self._account(job, outcome, stats, progress, time.perf_counter() - t0)
+            job = self._queue.get() if not self.running else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if job is None:
+            self._stopping = True
+        return job
 
-    def _generate(self, job: Job, stats: engine.Stats, progress: _Progress) -> str:
-        """Stream the job's text into its events, checking `cancel` before it starts and after every token;
-        ends with a Done event and returns the outcome ("completed" or "cancelled")."""
+    def _admit(self, job: Job) -> None:
+        """Start a job (its prefill runs now) and add it to the batch; a job whose client left is ended at once."""
+        t0, progress, stats = time.perf_counter(), _Progress(), engine.Stats()
         if job.cancel.is_set():  # the client left while the job waited
             job.emit(Done("cancelled", progress.usage(job, stats)))
-            return "cancelled"
-        detok = Detokenizer(self.sp.pair.tokenizer, job.cfg.stop)
-        tokens = self.sp.tokens(job.prompt, job.cfg, strategy=job.strategy, stats=stats, **job.options)
+            self._account(job, "cancelled", stats, progress, 0.0)
+            return
+        self.starting = job
         try:
-            for tok in tokens:
-                progress.add(tok)
-                delta = detok.add(tok)
-                if delta:
-                    job.emit(Delta(delta))
-                if detok.stopped:
-                    break
-                if job.cancel.is_set():
-                    job.emit(Done("cancelled", progress.usage(job, stats)))
-                    return "cancelled"
-            else:
-                if delta := detok.flush():
-                    job.emit(Delta(delta))
+            name, options = self.sp.options_for(job.strategy, job.options)
+            shared = self.sp.strategy_for(name, **options)
+            req = engine.start(self.sp.pair.target, shared.drafter() if shared is not None else None, job.prompt,
+                               job.cfg, stats)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the job's answer; the server keeps serving
+            self._fail(job, exc, stats, progress, t0)
+            return
         finally:
-            tokens.close()
-        stopped = detok.stopped or (progress.last in self.sp.eos_ids)
-        job.emit(Done("stop" if stopped else "length", progress.usage(job, stats)))
-        return "completed"
+            self.starting = None
+        logger.info("generation %s admitted (%s, batch of %d)", job.id, name, len(self.running) + 1)
+        self.running.append(_Running(job, Active(req, self.sp.eos_ids),
+                                     Detokenizer(self.sp.pair.tokenizer, job.cfg.stop), progress, t0))
+
+    def _step(self) -> None:
+        """One batched step; every job's new text; the jobs that ended leave the batch."""
+        try:
+            emitted = batch_step(self.sp.pair.target, [r.active for r in self.running])
+        except Exception as exc:  # noqa: BLE001 - a failed step fails the jobs in it, not the server
+            for r in self.running:
+                self._fail(r.job, exc, r.active.req.stats, r.progress, r.t0)
+            self.running = []
+            return
+        self.metrics.observe_step(len(self.running), sum(1 + s.drafted for s in
+                                                         (r.active.req.stats.steps[-1] for r in self.running)),
+                                  [r.active.req.stats.steps[-1].accepted for r in self.running])
+        still = []
+        for r, toks in zip(self.running, emitted, strict=True):
+            if self._deliver(r, toks):
+                still.append(r)
+        self.running = still
+
+    def _deliver(self, r: _Running, toks: list[engine.Token]) -> bool:
+        """Hand a job its new tokens as text; True while it goes on, else it has been ended (Done)."""
+        job, stats = r.job, r.active.req.stats
+        for tok in toks:
+            r.progress.add(tok)
+            if delta := r.detok.add(tok):
+                job.emit(Delta(delta))
+            if r.detok.stopped:
+                break
+        if r.detok.stopped or r.active.done:
+            if not r.detok.stopped and (delta := r.detok.flush()):
+                job.emit(Delta(delta))
+            stopped = r.detok.stopped or (r.progress.last in self.sp.eos_ids)
+            job.emit(Done("stop" if stopped else "length", r.progress.usage(job, stats)))
+            self._account(job, "completed", stats, r.progress, time.perf_counter() - r.t0)
+            return False
+        if job.cancel.is_set():
+            job.emit(Done("cancelled", r.progress.usage(job, stats)))
+            self._account(job, "cancelled", stats, r.progress, time.perf_counter() - r.t0)
+            return False
+        return True
+
+    def _fail(self, job: Job, exc: Exception, stats: engine.Stats, progress: _Progress, t0: float) -> None:
+        if isinstance(exc, SpeculorError):
+            job.emit(Failed(bad_request(exc)))
+        else:  # a bug: keep serving, tell the client nothing more than that
+            logger.error("generation %s failed", job.id, exc_info=exc)
+            job.emit(Failed(APIError(500, "internal server error during generation", type="server_error")))
+        self._account(job, "failed", stats, progress, time.perf_counter() - t0)
 
     def _account(self, job: Job, outcome: str, stats: engine.Stats, progress: _Progress, seconds: float) -> None:
         m = self.metrics
@@ -205,6 +271,9 @@ class _Progress:
         self.last = tok.id
 
     def usage(self, job: Job, stats: engine.Stats) -> dict[str, Any]:
+        steps = len(stats.steps)
         return {"prompt_tokens": len(job.prompt), "completion_tokens": self.tokens,
                 "total_tokens": len(job.prompt) + self.tokens, "tau": round(stats.tau, 4),
-                "accepted_tokens": self.accepted}
+                "accepted_tokens": self.accepted, "steps": steps,
+                "drafted_tokens": sum(s.drafted for s in stats.steps),
+                "tokens_per_step": round(self.tokens / steps, 4) if steps else 0.0}
