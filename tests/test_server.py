@@ -371,6 +371,21 @@ def test_loadtest_rounds(pair: Pair, url: str) -> None:
         loadtest.ask(url, prompts[0], 12, {"strategy": "no-such-strategy"}, timeout=60)
 
 
+def test_loadtest_reference_round_and_plot(url: str, tmp_path) -> None:
+    """--reference: every prompt alone first (one client, one after another), then the concurrent round is checked
+    against those answers; TTFT and TPOT medians and p99; a plot per strategy."""
+    prompts = [f"Ref {i}: {t[:10]}" for i, t in enumerate(TEXTS)]
+    rows = loadtest.run(url, prompts, [3], max_tokens=8, reference=True)
+    assert [(r["clients"], r["requests"], r.get("reference", False)) for r in rows] == [(1, 3, True), (3, 3, False)]
+    assert rows[1]["answers_differing"] == 0
+    for r in rows:
+        assert 0 < r["ttft_median_s"] <= r["ttft_p99_s"] and 0 < r["tpot_median_s"] <= r["tpot_p99_s"]
+    assert loadtest.quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and loadtest.quantile([1.0, 2.0], 0.99) == 2.0
+    assert "(one by one)" in loadtest.format_rows(rows)
+    loadtest.plot_rows([r | {"strategy": "chain"} for r in rows], tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 1000
+
+
 # ------------------------------------------------------------------------------------- queue and cancel
 
 def _wait(cond, what: str, timeout: float = 20) -> None:

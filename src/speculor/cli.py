@@ -136,6 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--strategy", default=None, help="the requests' speculative strategy, or several comma-separated "
                     "(one series each; default: the server's)")
+    lt.add_argument("--reference", action="store_true", help="first ask every prompt alone, one after another: "
+                    "every later answer is checked against its one-client answer")
     lt.add_argument("--out", default=None, help="JSON file for the rows (and a PNG plot beside it)")
     return ap
 

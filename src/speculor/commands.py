@@ -187,7 +187,8 @@ def cmd_loadtest(args: Args) -> None:
     for name in (args.strategy.split(",") if args.strategy else [None]):  # one series per strategy
         spec = {"strategy": name} if name else None
         rows += [r | {"strategy": name} for r in loadtest.run(args.url, texts, clients, requests=args.requests,
-                                                              max_tokens=args.max_tokens, speculative=spec)]
+                                                              max_tokens=args.max_tokens, speculative=spec,
+                                                              reference=args.reference)]
     print(loadtest.format_rows(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")

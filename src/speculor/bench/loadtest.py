@@ -118,17 +118,27 @@ def summarize(results: list[Result], wall: float, clients: int) -> dict[str, Any
 
 
 def run(url: str, prompts: list[str], concurrencies: list[int], *, requests: int = 1, max_tokens: int = 32,
-        speculative: dict[str, Any] | None = None, timeout: float = 1800.0) -> list[dict[str, Any]]:
-    """One round per concurrency; every answer must equal the one-client answer of the same prompt."""
+        speculative: dict[str, Any] | None = None, timeout: float = 1800.0,
+        reference: bool = False) -> list[dict[str, Any]]:
+    """One round per concurrency; every answer must equal the first answer seen for its prompt. With `reference`,
+    a first round asks every prompt the rounds will use alone, one after another (one client): every answer is
+    then compared with its one-client answer, and that round gives the one-client throughput."""
     if not prompts or not concurrencies or min(concurrencies) < 1 or requests < 1 or max_tokens < 1:
         raise SpeculorError("loadtest needs prompts, concurrencies >= 1, requests >= 1 and max_tokens >= 1")
     url = url.rstrip("/")
-    reference: dict[str, str] = {}
+    answers_of: dict[str, str] = {}
     rows = []
+    if reference:
+        used = list(dict.fromkeys(prompts[i % len(prompts)] for i in range(max(concurrencies) * requests)))
+        with _reaching(url):
+            answers, wall = asyncio.run(_round(url, used, 1, len(used), max_tokens, speculative, timeout))
+        answers_of.update((p, r.text) for p, r in answers)
+        rows.append(summarize([r for _, r in answers], wall, 1) | {"answers_differing": 0, "reference": True})
+    reference_answers = answers_of
     for c in concurrencies:
         with _reaching(url):
             answers, wall = asyncio.run(_round(url, prompts, c, requests, max_tokens, speculative, timeout))
-        mismatches = sum(reference.setdefault(prompt, r.text) != r.text for prompt, r in answers)
+        mismatches = sum(reference_answers.setdefault(prompt, r.text) != r.text for prompt, r in answers)
         rows.append(summarize([r for _, r in answers], wall, c) | {"answers_differing": mismatches})
     return rows
 
@@ -138,7 +148,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
              "| latency p50 / max s | tau | answers differing |", "|" + "---|" * 11]
     for r in rows:
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
-        lines.append(f"| {r.get('strategy') or 'server default'} | {r['clients']} | {r['requests']} | {r['tokens']} "
+        clients = f"{r['clients']} (one by one)" if r.get("reference") else r["clients"]
+        lines.append(f"| {r.get('strategy') or 'server default'} | {clients} | {r['requests']} | {r['tokens']} "
                      f"| {r['wall_s']:.1f} | {r['throughput_tokens_per_s']:.2f} "
                      f"| {r['ttft_median_s']:.2f} / {r['ttft_p99_s']:.2f} "
                      f"| {r['tpot_median_s']:.3f} / {r['tpot_p99_s']:.3f} "
@@ -155,7 +166,7 @@ def plot_rows(rows: list[dict[str, Any]], path: Any) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for name in dict.fromkeys(r.get("strategy") or "server default" for r in rows):
-        mine = [r for r in rows if (r.get("strategy") or "server default") == name]
+        mine = [r for r in rows if (r.get("strategy") or "server default") == name and not r.get("reference")]
         xs = [r["clients"] for r in mine]
         for ax, key, label in zip(axes, ("throughput_tokens_per_s", "ttft_median_s", "tpot_median_s"),
                                   ("tokens/s (all requests)", "TTFT median (s)", "time per output token, median (s)"),
