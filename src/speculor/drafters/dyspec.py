@@ -100,9 +100,11 @@ def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float
 
     In a batch (docs/algorithms.md §11) the step is the batch's: the other requests' expected tokens T_o, draft
     seconds D_o and target rows R_o join both sides, (T_o + 1 + S) / (D_o + draft_s + t_target(R_o + n + 1)), so
-    one more row must pay for the whole batch's forward growing, and at high load nothing does.
+    one more row must pay for the whole batch's forward growing, and at high load nothing does. A request still to
+    propose counts as its root: one row, one token.
     """
-    t_o, d_o, r_o = (batch.tokens, batch.draft_s, batch.rows + batch.pending) if batch is not None else (0.0, 0.0, 0)
+    t_o, d_o, r_o = ((batch.tokens + batch.pending, batch.draft_s, batch.rows + batch.pending) if batch is not None
+                     else (0.0, 0.0, 0))
     now = (t_o + 1 + value_sum) / (d_o + draft_s + cost.t_target(r_o + n + 1))
     then = (t_o + 1 + value_sum + gain) / (d_o + draft_s + extra_draft_s + cost.t_target(r_o + n + extra_nodes + 1))
     return then > now

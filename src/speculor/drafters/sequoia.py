@@ -201,11 +201,11 @@ class SequoiaPlans:
 
             (T_o + F(T)) / (D_o + draft(T) + t_target(R_o + |T| + 1))   against   (T_o + 1) / (D_o + t_target(R_o + 1))
         """
-        r_o = ledger.rows + ledger.pending
-        best, best_rate = None, (ledger.tokens + 1) / (ledger.draft_s + self.cost.t_target(r_o + 1))
+        r_o, t_o = ledger.rows + ledger.pending, ledger.tokens + ledger.pending  # a request to come: its root
+        best, best_rate = None, (t_o + 1) / (ledger.draft_s + self.cost.t_target(r_o + 1))
         for c in self.choices(cfg):
             draft_s = c.step_s - self.cost.t_target(c.n)
-            rate = (ledger.tokens + c.expected_tokens) / (ledger.draft_s + draft_s + self.cost.t_target(r_o + c.n))
+            rate = (t_o + c.expected_tokens) / (ledger.draft_s + draft_s + self.cost.t_target(r_o + c.n))
             if rate > best_rate:
                 best, best_rate = c, rate
         return best
