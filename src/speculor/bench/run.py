@@ -167,15 +167,7 @@ def _run_batched(args: Any, sp: Speculor, specs: list[Spec], prompts: list, enco
     summary = summarize_batched(records, greedy)
     print(format_batched(summary))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with (out / "records.jsonl").open("w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-        meta = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-        (out / "summary.json").write_text(json.dumps({**summary, "_run": meta}, indent=2))
-        (out / "table.md").write_text(format_batched(summary) + "\n")
-        print(f"wrote {out}/records.jsonl, summary.json, table.md")
+        _write(Path(args.out), records, summary, args, format_batched, plots=False)
     return summary
 
 
@@ -316,14 +308,19 @@ def _cell(agg: dict[str, Any], key: str, fmt: str = ".2f", unit: str = "") -> st
     return "-" if agg.get(key) is None else format(agg[key], fmt) + unit
 
 
-def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], args: Any) -> None:
+def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], args: Any, table=None,
+           plots: bool = True) -> None:
+    """records.jsonl, summary.json (with the run's options), table.md and (unless told not to) the plots."""
     out.mkdir(parents=True, exist_ok=True)
     with (out / "records.jsonl").open("w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
     meta = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
     (out / "summary.json").write_text(json.dumps({**summary, "_run": meta}, indent=2))
-    (out / "table.md").write_text(format_table(summary) + "\n")
+    (out / "table.md").write_text((table or format_table)(summary) + "\n")
+    if not plots:
+        print(f"wrote {out}/records.jsonl, summary.json, table.md")
+        return
     try:
         from speculor.bench.plots import draw_all
 
