@@ -71,6 +71,9 @@ class DraftTree:
         return [i for i, p in enumerate(self.parents.tolist()) if p == node]
 
 
+EMPTY = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))  # no draft: plain decoding
+
+
 def block_parents(parents: torch.Tensor) -> torch.Tensor:
     """Parents of [root] + nodes in block indices: root has -1, node i (block i+1) has parents[i] + 1."""
     return torch.cat([torch.tensor([-1]), parents + 1])

@@ -38,7 +38,7 @@ import torch
 
 from speculor.config import SamplingConfig, is_int, is_num
 from speculor.core.sampling import check_finite, sample, warp
-from speculor.core.tree import DraftTree
+from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchLedger, Shared, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
@@ -258,7 +258,7 @@ class DySpecDrafter:
         if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
             self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
             self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
-            return Growth().tree(cfg.greedy)
+            return EMPTY
         logits = catch_up(self.model, self.cache, seq)
         self.forwards = 1
         g = Growth(draft_s=self._t_draft(1))

@@ -21,7 +21,7 @@ import torch
 
 from speculor.config import SamplingConfig, is_int
 from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees, tree_choices
-from speculor.core.tree import DraftTree
+from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchLedger, TreeDrafter
 from speculor.errors import SpeculorError
@@ -240,7 +240,7 @@ class SequoiaDrafter:
             self.skipped = choice is None
             if self.skipped:
                 self.forwards, self.expected_tokens = 0, 1.0
-                return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, "point")
+                return EMPTY
             shape, self.expected_tokens = list(choice.shape), choice.expected_tokens
         if self.inner is None or self.inner.shape != shape:
             self.inner = TreeDrafter(self.plans.draft, shape, draw="swor", cache=self.cache)

@@ -16,26 +16,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from speculor.config import SamplingConfig
-from speculor.core.sampling import check_finite, warp
-from speculor.core.tree import block_parents
-from speculor.core.verify import verify_greedy, verify_sampled
 from speculor.drafters.base import BatchLedger, Drafter
-from speculor.engine.loop import EMPTY, Request, Stats, Step, Token, start
+from speculor.engine.loop import Request, Stats, Token, block, emit, propose, record, settle, start
 from speculor.runtime.model import Model
 
 
 @dataclass
 class Active:
-    """A request in the batch and its own bookkeeping."""
+    """A request in the batch; `done` once it reached max_new_tokens or an end-of-sequence token."""
 
     req: Request
     eos_ids: frozenset[int]
-    out: list[Token] = field(default_factory=list)
     done: bool = False
 
 
@@ -49,53 +43,22 @@ def step(target: Model, batch: Sequence[Active]) -> list[list[Token]]:
         if drafter is not None and getattr(drafter, "batch_aware", False):
             drafter.ledger = ledger
         t = time.perf_counter()
-        tree = drafter.propose(a.req.seq, a.req.cfg, a.req.generator) if drafter is not None else EMPTY
+        trees.append(propose(a.req))
         draft_s.append(time.perf_counter() - t)
-        trees.append(tree)
-        ledger.rows += 1 + len(tree)
+        ledger.rows += 1 + len(trees[-1])
         ledger.tokens += float(getattr(drafter, "expected_tokens", 1.0))
         ledger.draft_s += draft_s[-1]
     t1 = time.perf_counter()
-    blocks = [(a.req.cache, torch.cat([torch.tensor(a.req.seq[-1:]), tree.tokens]), block_parents(tree.parents))
-              for a, tree in zip(batch, trees, strict=True)]
-    all_logits = target.forward_batch(blocks)
+    all_logits = target.forward_batch([block(a.req, tree) for a, tree in zip(batch, trees, strict=True)])
     t2 = time.perf_counter()
     emitted = []
     for a, tree, logits, d_s in zip(batch, trees, all_logits, draft_s, strict=True):
         t = time.perf_counter()
-        emitted.append(_finish(a, tree, logits))
-        a.req.stats.steps.append(Step(len(emitted[-1]) - 1, len(tree), _forwards(a.req.drafter), d_s, t2 - t1,
-                                      time.perf_counter() - t, _own_stats(a.req.drafter)))
+        verdict = settle(a.req, tree, logits)
+        tokens, a.done = emit(a.req, tree, verdict, a.eos_ids)
+        emitted.append(tokens)
+        a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, t2 - t1, time.perf_counter() - t))
     return emitted
-
-
-def _finish(a: Active, tree, logits: torch.Tensor) -> list[Token]:
-    """Verify one request's tree, commit its accepted path, emit its tokens (up to max_new_tokens or EOS)."""
-    req, cfg = a.req, a.req.cfg
-    check_finite(logits, "target")
-    verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
-    req.cache.keep([0] + [i + 1 for i in verdict.path])
-    if req.drafter is not None:
-        req.drafter.observe(len(req.seq), verdict)
-    out = []
-    for i, tok in enumerate([int(tree.tokens[j]) for j in verdict.path] + [verdict.token]):
-        req.seq.append(tok)
-        req.produced += 1
-        out.append(Token(tok, from_draft=i < len(verdict.path)))
-        if req.produced >= cfg.max_new_tokens or (cfg.stop_on_eos and tok in a.eos_ids):
-            a.done = True
-            break
-    a.out.extend(out)
-    return out
-
-
-def _forwards(drafter: Drafter | None) -> int:
-    return drafter.forwards if drafter is not None else 0
-
-
-def _own_stats(drafter: Drafter | None) -> dict[str, float] | None:
-    own = getattr(drafter, "stats", None)
-    return dict(own) if isinstance(own, dict) else None
 
 
 def generate(target: Model, entries: Sequence[tuple[Drafter | None, list[int], SamplingConfig]],

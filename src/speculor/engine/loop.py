@@ -22,14 +22,12 @@ import torch
 
 from speculor.config import SamplingConfig
 from speculor.core.sampling import check_finite, warp
-from speculor.core.tree import DraftTree, block_parents
+from speculor.core.tree import EMPTY, DraftTree, block_parents
 from speculor.core.verify import Verdict, verify_greedy, verify_sampled
 from speculor.drafters.base import Drafter
 from speculor.errors import SpeculorError
 from speculor.runtime.cache import KVCache
 from speculor.runtime.model import Model
-
-EMPTY = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
 
 
 @dataclass(frozen=True)
@@ -106,29 +104,59 @@ def stream(target: Model, drafter: Drafter | None, prompt: list[int], cfg: Sampl
     while True:
         verdict, tree, step = _step(target, req)
         req.stats.steps.append(step)
-        emitted = [int(tree.tokens[i]) for i in verdict.path] + [verdict.token]
-        for i, tok in enumerate(emitted):
-            req.seq.append(tok)
-            req.produced += 1
-            yield Token(tok, from_draft=i < len(verdict.path))
-            if req.produced >= cfg.max_new_tokens or (cfg.stop_on_eos and tok in eos_ids):
-                return
+        tokens, done = emit(req, tree, verdict, eos_ids)
+        yield from tokens
+        if done:
+            return
+
+
+def propose(req: Request) -> DraftTree:
+    """The request's draft tree after its sequence (the empty tree for plain decoding)."""
+    return req.drafter.propose(req.seq, req.cfg, req.generator) if req.drafter is not None else EMPTY
+
+
+def block(req: Request, tree: DraftTree) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """What the target forwards for a request: its cache, [root] + the tree's tokens, their block parents."""
+    return req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents)
+
+
+def settle(req: Request, tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Verify a request's tree against the target's logits for it, commit the accepted path, tell its drafter."""
+    check_finite(logits, "target")
+    cfg = req.cfg
+    verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
+    req.cache.keep([0] + [i + 1 for i in verdict.path])
+    if req.drafter is not None:
+        req.drafter.observe(len(req.seq), verdict)
+    return verdict
+
+
+def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int]) -> tuple[list[Token], bool]:
+    """Append the step's tokens (accepted path, then the recovered/bonus token) to the request's sequence, up to
+    max_new_tokens or an end-of-sequence token; (those tokens, whether the request is done)."""
+    out = []
+    for i, tok in enumerate([int(tree.tokens[j]) for j in verdict.path] + [verdict.token]):
+        req.seq.append(tok)
+        req.produced += 1
+        out.append(Token(tok, from_draft=i < len(verdict.path)))
+        if req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and tok in eos_ids):
+            return out, True
+    return out, False
+
+
+def record(drafter: Drafter | None, verdict: Verdict, tree: DraftTree, draft_s: float, verify_s: float,
+           overhead_s: float) -> Step:
+    """The step's numbers: accepted and drafted tokens, draft forwards, the time split, the drafter's own stats."""
+    own = getattr(drafter, "stats", None)
+    return Step(len(verdict.path), len(tree), drafter.forwards if drafter is not None else 0, draft_s, verify_s,
+                overhead_s, dict(own) if isinstance(own, dict) else None)
 
 
 def _step(target: Model, req: Request) -> tuple[Verdict, DraftTree, Step]:
-    drafter, seq, cfg, generator = req.drafter, req.seq, req.cfg, req.generator
     t0 = time.perf_counter()
-    tree = drafter.propose(seq, cfg, generator) if drafter is not None else EMPTY
+    tree = propose(req)
     t1 = time.perf_counter()
-    logits = target.forward(req.cache, torch.cat([torch.tensor(seq[-1:]), tree.tokens]), block_parents(tree.parents))
+    logits = target.forward(*block(req, tree))
     t2 = time.perf_counter()
-    check_finite(logits, "target")
-    verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), generator)
-    req.cache.keep([0] + [i + 1 for i in verdict.path])
-    if drafter is not None:
-        drafter.observe(len(seq), verdict)
-    t3 = time.perf_counter()
-    forwards = drafter.forwards if drafter is not None else 0
-    own = getattr(drafter, "stats", None)
-    return verdict, tree, Step(len(verdict.path), len(tree), forwards, t1 - t0, t2 - t1, t3 - t2,
-                               dict(own) if isinstance(own, dict) else None)
+    verdict = settle(req, tree, logits)
+    return verdict, tree, record(req.drafter, verdict, tree, t1 - t0, t2 - t1, time.perf_counter() - t2)

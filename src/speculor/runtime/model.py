@@ -51,13 +51,7 @@ class Model:
         at position length + depth. append=False with parents=None is a chain; with append=True parents=None
         continues the last pending entry. With hidden=True also returns the last hidden states [n, H].
         """
-        if not append:
-            cache.trim(cache.length)
-        tokens = torch.as_tensor(tokens, dtype=torch.long)
-        b, n = len(cache.pending), len(tokens)
-        if parents is None:
-            parents = torch.arange(b - 1, b + n - 1)
-        region = torch.cat([cache.pending, torch.as_tensor(parents, dtype=torch.long)])
+        tokens, region, b = _open(cache, tokens, parents, append)
         out = self.model(
             input_ids=tokens[None].to(self.device),
             position_ids=position_ids(region, cache.length)[:, b:].to(self.device),
@@ -78,27 +72,37 @@ class Model:
         linear layers over all rows, attention per request); one forward per block otherwise."""
         if not self.batched or len(blocks) == 1:
             return [self.forward(cache, tokens, parents) for cache, tokens, parents in blocks]
-        segments, ids, positions, start = [], [], [], 0
+        segments, ids, positions, regions, start = [], [], [], [], 0
         for cache, tokens, parents in blocks:
-            cache.trim(cache.length)
-            tokens = torch.as_tensor(tokens, dtype=torch.long)
-            n = len(tokens)
-            region = torch.arange(-1, n - 1) if parents is None else torch.as_tensor(parents, dtype=torch.long)
+            tokens, region, _ = _open(cache, tokens, parents, append=False)  # the block is the whole region
             mask = attention_mask(region, cache.length, self.dtype).to(self.device)
-            segments.append(batched.Segment(cache, start, start + n, mask))
+            segments.append(batched.Segment(cache, start, start + len(tokens), mask))
             ids.append(tokens)
             positions.append(position_ids(region, cache.length))
-            start += n
+            regions.append(region)
+            start += len(tokens)
         batch = batched.Batch(tuple(segments))
         out = self.model(input_ids=torch.cat(ids)[None].to(self.device),
                          position_ids=torch.cat(positions, dim=1).to(self.device),
                          attention_mask={"full_attention": batch}, past_key_values=batched.BatchWriter(batch),
                          use_cache=True)
         logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
-        for (cache, _, parents), s in zip(blocks, segments, strict=True):
-            cache.pending = torch.arange(-1, s.stop - s.start - 1) if parents is None else torch.as_tensor(
-                parents, dtype=torch.long)
+        for s, region in zip(segments, regions, strict=True):
+            s.cache.pending = region
         return [logits[s.start:s.stop] for s in segments]
+
+
+def _open(cache: KVCache, tokens: torch.Tensor | list[int], parents: torch.Tensor | None,
+          append: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(tokens, region, b) of a block about to be forwarded: region = the parents of the whole pending region with
+    the block's rows at b.. (b = 0 unless append; parents None: a chain continuing the last pending entry)."""
+    if not append:
+        cache.trim(cache.length)
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    b, n = len(cache.pending), len(tokens)
+    if parents is None:
+        parents = torch.arange(b - 1, b + n - 1)
+    return tokens, torch.cat([cache.pending, torch.as_tensor(parents, dtype=torch.long)]), b
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
