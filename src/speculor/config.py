@@ -17,6 +17,12 @@ def is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """SpeculorError unless `value` is an int (not a bool) in [low, high]."""
+    if not is_int(value) or not low <= value <= high:
+        raise SpeculorError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen. temperature 0 means greedy decoding (argmax, lowest id on ties).

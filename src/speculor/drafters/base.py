@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from speculor.config import SamplingConfig
+from speculor.config import SamplingConfig, check_int
 from speculor.core.sampling import check_finite, draw_iid, draw_swor, greedy, sample, top_tokens, warp
 from speculor.core.tree import DraftTree, check_shape, merge, shape_levels
 from speculor.core.verify import Verdict
@@ -267,8 +267,7 @@ class NgramDrafter:
 
     def __init__(self, k: int = 8, n: int = 3, branches: int = 1) -> None:
         for name, value, top in (("k", k, 64), ("n", n, 16), ("branches", branches, 16)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
-                raise SpeculorError(f"{name} must be an integer in [1, {top}], got {value!r}")
+            check_int(name, value, 1, top)
         self.k, self.n, self.branches, self.forwards = k, n, branches, 0
 
     def reset(self) -> None:

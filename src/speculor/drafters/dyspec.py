@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from speculor.config import SamplingConfig, is_int, is_num
+from speculor.config import SamplingConfig, check_int, is_int, is_num
 from speculor.core.sampling import check_finite, sample, warp
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
@@ -137,12 +137,10 @@ class DySpecOptions:
             raise SpeculorError(f"budget must be an integer in [1, 1024] or 'auto', got {self.budget!r}")
         if self.threshold is not None and (not is_num(self.threshold) or not 0 <= self.threshold <= 1):
             raise SpeculorError(f"threshold must be a number in [0, 1], got {self.threshold!r}")
-        if not is_int(self.depth) or not 1 <= self.depth <= 64:
-            raise SpeculorError(f"depth must be an integer in [1, 64], got {self.depth!r}")
+        check_int("depth", self.depth, 1, 64)
         if self.temperature is not None and (not is_num(self.temperature) or not 0 < self.temperature < 1e6):
             raise SpeculorError(f"temperature must be a number > 0, got {self.temperature!r}")
-        if not is_int(self.batch) or not 1 <= self.batch <= 64:
-            raise SpeculorError(f"batch must be an integer in [1, 64], got {self.batch!r}")
+        check_int("batch", self.batch, 1, 64)
 
     @property
     def cap(self) -> int:

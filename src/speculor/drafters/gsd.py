@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from speculor.config import SamplingConfig
+from speculor.config import SamplingConfig, check_int
 from speculor.core.sampling import check_finite
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
@@ -63,8 +63,7 @@ class GSDOptions:
     def __post_init__(self) -> None:
         for name, value, low, top in (("n", self.n, 1, 64), ("k", self.k, -1, 16), ("depth", self.depth, 1, 64),
                                       ("budget", self.budget, 1, 1024)):
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= top:
-                raise SpeculorError(f"{name} must be an integer in [{low}, {top}], got {value!r}")
+            check_int(name, value, low, top)
         for name, value in (("sibling_threshold", self.sibling_threshold), ("prob_threshold", self.prob_threshold)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
                 raise SpeculorError(f"{name} must be a number in [0, 1], got {value!r}")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from speculor.config import check_int
 from speculor.drafters.base import ChainDrafter, Shared, Strategy
 from speculor.drafters.dyspec import make_dyspec
 from speculor.drafters.gsd import make_gsd
@@ -24,8 +25,7 @@ from speculor.runtime.loading import Pair
 
 
 def _chain(pair: Pair, k: int = 4) -> Shared:
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
-        raise SpeculorError(f"k must be an integer in [1, 64], got {k!r}")
+    check_int("k", k, 1, 64)
     if pair.draft is None:
         raise SpeculorError("strategy 'chain' needs a draft model")
     return Shared(partial(ChainDrafter, pair.draft, k))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from speculor.config import SamplingConfig, is_int
+from speculor.config import SamplingConfig, check_int, is_int
 from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees, tree_choices
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
@@ -130,10 +130,8 @@ class SequoiaOptions:
     def __post_init__(self) -> None:
         if self.budget != "auto" and (not is_int(self.budget) or not 1 <= self.budget <= 1024):
             raise SpeculorError(f"budget must be an integer in [1, 1024] or 'auto', got {self.budget!r}")
-        if not is_int(self.depth) or not 1 <= self.depth <= 64:
-            raise SpeculorError(f"depth must be an integer in [1, 64], got {self.depth!r}")
-        if not is_int(self.width) or not 1 <= self.width <= 64:
-            raise SpeculorError(f"width must be an integer in [1, 64], got {self.width!r}")
+        check_int("depth", self.depth, 1, 64)
+        check_int("width", self.width, 1, 64)
         if isinstance(self.acc, str) and not Path(self.acc).expanduser().is_file():
             raise SpeculorError(f"no calibration file at {self.acc!r}; run `speculor calibrate`")
         if self.acc is not None and not isinstance(self.acc, str):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from speculor.config import SamplingConfig, is_int
+from speculor.config import SamplingConfig, check_int, is_int
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import Shared, catch_up, draw, keep_chain
@@ -63,8 +63,7 @@ class HeadConfig:
     def __post_init__(self) -> None:
         if not is_int(self.hidden_size) or self.hidden_size < 1:
             raise SpeculorError(f"hidden_size must be a positive integer, got {self.hidden_size!r}")
-        if not is_int(self.layers) or not 0 <= self.layers <= 16:
-            raise SpeculorError(f"layers must be an integer in [0, 16], got {self.layers!r}")
+        check_int("layers", self.layers, 0, 16)
 
 
 class AcceptanceHead(torch.nn.Module):

@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from speculor.config import SamplingConfig
+from speculor.config import SamplingConfig, check_int
 from speculor.core.sampling import check_finite
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
@@ -47,8 +47,7 @@ class TopkOptions:
 
     def __post_init__(self) -> None:
         for name, value, top in (("budget", self.budget, 1024), ("depth", self.depth, 64), ("k", self.k, 64)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
-                raise SpeculorError(f"{name} must be an integer in [1, {top}], got {value!r}")
+            check_int(name, value, 1, top)
 
 
 @dataclass

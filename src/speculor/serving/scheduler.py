@@ -26,7 +26,7 @@ from typing import Any
 
 from speculor import engine
 from speculor.api import Detokenizer, Speculor
-from speculor.config import SamplingConfig
+from speculor.config import SamplingConfig, check_int
 from speculor.engine.batch import Active
 from speculor.engine.batch import step as batch_step
 from speculor.errors import SpeculorError
@@ -105,8 +105,7 @@ class Scheduler:
     def __init__(self, sp: Speculor, queue_size: int, metrics: Metrics, max_batch: int = 8) -> None:
         if not isinstance(queue_size, int) or queue_size < 1:
             raise SpeculorError(f"queue_size must be a positive integer, got {queue_size!r}")
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= 256:
-            raise SpeculorError(f"max_batch must be an integer in [1, 256], got {max_batch!r}")
+        check_int("max_batch", max_batch, 1, 256)
         self.sp, self.metrics, self.queue_size, self.max_batch = sp, metrics, queue_size, max_batch
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
