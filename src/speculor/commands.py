@@ -33,15 +33,10 @@ TAKEN_BY = {
 
 
 def check_options(strategy: str, options: dict) -> None:
-    """SpeculorError, as `make_strategy` says it, for an unknown strategy (the message lists every registered one)
-    or an option that `strategy` does not take; run before a model is loaded. Imports the registry (torch)."""
-    from speculor.drafters.registry import options_of
+    """The registry's check of a strategy's name and options, run before a model is loaded (imports torch)."""
+    from speculor.drafters.registry import check_options as check
 
-    takes = options_of(strategy)
-    unknown = sorted(n for n in options if n not in takes)
-    if unknown:
-        raise SpeculorError(f"strategy {strategy!r} takes no option {', '.join(map(repr, unknown))} (its options: "
-                            f"{', '.join(takes) or 'none'})")
+    check(strategy, options)
 
 
 def _strategy_options(args: Args) -> dict:

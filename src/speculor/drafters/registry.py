@@ -55,12 +55,18 @@ def options_of(name: str) -> list[str]:
     return [p for p in inspect.signature(BUILDERS[name]).parameters if p != "pair"]
 
 
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """SpeculorError for an unknown strategy (the message lists every registered one) or an option it does not take
+    (the message lists those it takes); values are checked by the strategy's builder."""
+    takes = options_of(name)
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise SpeculorError(f"strategy {name!r} takes no option {', '.join(map(repr, unknown))} (its options: "
+                            f"{', '.join(takes) or 'none'})")
+
+
 def make_strategy(name: str, pair: Pair, **options: Any) -> Strategy | None:
     """The shared part of strategy `name` with `options` (None for plain decoding); SpeculorError for an unknown
     strategy, an option it does not take, or a bad value."""
-    _check_name(name)
-    unknown = sorted(set(options) - set(options_of(name)))
-    if unknown:
-        takes = ", ".join(options_of(name)) or "none"
-        raise SpeculorError(f"strategy {name!r} takes no option {', '.join(map(repr, unknown))} (its options: {takes})")
+    check_options(name, options)
     return BUILDERS[name](pair, **options)
