@@ -32,8 +32,9 @@ def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
     prompts = [Prompt("mtbench/1", "mtbench", "writing", TEXTS[0], True),
                Prompt("HumanEval/0", "humaneval", "code", TEXTS[1], False)]
     monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
+    monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path / "cache"))  # the cost profile of the tiny pair
     args = _args("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--temperatures", "0,0.7", "--limit", "2",
-                 "--max-new-tokens", "12", "--out", str(tmp_path))
+                 "--max-new-tokens", "12", "--rounds", "2", "--out", str(tmp_path))
     summary = bench.run(args, lambda a: pair)
     assert list(summary) == ["plain", "chain:k=2", "ngram", "hf-assisted"]  # plain first, always
     for label, s in summary.items():
@@ -47,7 +48,7 @@ def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
         assert all(s["peak_memory_gib"] > 0.01 for s in summary.values())
     assert summary["plain"]["speedup"] == pytest.approx(1.0) and summary["plain"]["tau"] == 1.0
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 2 * 4 and all(r["new_tokens"] == 12 for r in records)
+    assert len(records) == 2 * 2 * 4 * 2 and all(r["new_tokens"] == 12 for r in records)
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["_run"]["strategies"] == "chain:k=2,plain,ngram,hf-assisted" and "chain:k=2" in saved
     assert "| chain:k=2 | 0.0 |" in (tmp_path / "table.md").read_text()

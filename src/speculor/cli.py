@@ -64,20 +64,24 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `speculor bench` (`speculor.bench.run.run` reads them). The defaults shown are those of
     bench.run's DEFAULTS and QUICK tables (options left None here take them in `fill_defaults`)."""
     p.add_argument("--strategies", default=None, help="comma-separated; options after colons, e.g. "
-                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,chain)")
+                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,chain:k=4,dyspec:budget=auto)")
     p.add_argument("--sets", default="mtbench,humaneval", help="mtbench, humaneval, sharegpt")
     p.add_argument("--limit", type=int, default=None, help="number of prompts, spread over sets and categories "
-                   "(default 6)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="(default 48)")
+                   "(default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="(default 128)")
     p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,0.7 (default 0)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median wall time is kept")
+    p.add_argument("--rounds", type=int, default=None, help="rounds: every (prompt, strategy) once per round, the "
+                   "strategies' order shuffled; the median over rounds and the min-max spread are kept (default 3)")
+    p.add_argument("--format", choices=("speculor", "spec-bench"), default="speculor", help="spec-bench: also "
+                   "write Spec-Bench's answer files (out/spec-bench/model_answer_temp{T}_run_{k}/{strategy}.jsonl)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="folder for records.jsonl, summary.json, table.md and plots")
     p.add_argument("--batch", default=None, help="comma-separated batch sizes, e.g. 1,4,16: every strategy with that "
                    "many prompts decoded together (entries 'L@B'; plain@1 is always run as the reference)")
     p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the two "
-                   "transformers peers, 2 prompts, 32 tokens; flags given explicitly still apply")
+                   "transformers peers, 2 prompts, 32 tokens, one round (a smoke run: its ratios are indicative "
+                   "only); flags given explicitly still apply")
 
 
 def _parser() -> argparse.ArgumentParser:

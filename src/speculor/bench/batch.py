@@ -18,7 +18,7 @@ from tqdm import tqdm
 from speculor.api import Speculor
 from speculor.bench.prompts import Prompt
 from speculor.bench.run import Spec
-from speculor.bench.run import _cell as cell
+from speculor.bench.summary import cell
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
 from speculor.engine.batch import generate

@@ -1,0 +1,134 @@
+"""A bench run's summary: per strategy and temperature, speed over rounds with its spread, τ, acceptance, time split.
+
+Every (prompt, strategy) ran once per round. A round's tokens/s is its new tokens ÷ its wall time, summed over the
+prompts; its speedup divides that by plain decoding's tokens/s of the same round. The summary keeps the median over
+rounds and the min–max spread (`speedup_min`, `speedup_max`, `tokens_per_s_min`, `tokens_per_s_max`). τ and the
+acceptance figures pool every step of every round (the same tokens each round: the seeds are fixed).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def summarize(records: list[dict[str, Any]], labels: list[str], temps: list[float]) -> dict[str, Any]:
+    """Per strategy label: the fields at the first temperature, and `by_temperature` for every one."""
+    out: dict[str, Any] = {}
+    for label in labels:
+        by_t = {}
+        for temp in temps:
+            rows = [r for r in records if r["strategy"] == label and r["temperature"] == temp]
+            base = [r for r in records if r["strategy"] == "plain" and r["temperature"] == temp]
+            by_t[str(temp)] = aggregate(rows, base, temp)
+        out[label] = {**by_t[str(temps[0])], "by_temperature": by_t}
+    return out
+
+
+def tokens_per_s(rows: list[dict[str, Any]], decode_only: bool = False) -> float:
+    """New tokens per second of wall time over `rows`; decode_only takes the prompt prefill out of the wall time."""
+    secs = sum(r["wall_s"] - (r["prefill_s"] if decode_only else 0.0) for r in rows)
+    return sum(r["new_tokens"] for r in rows) / secs if secs > 0 else 0.0
+
+
+def by_round(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r.get("round", 0), []).append(r)
+    return dict(sorted(out.items()))
+
+
+def round_ratios(rows: list[dict[str, Any]], base: list[dict[str, Any]], decode_only: bool = False) -> list[float]:
+    """Per round: tokens/s of `rows` ÷ tokens/s of `base` in the same round (rounds where both ran)."""
+    mine, ref = by_round(rows), by_round(base)
+    out = []
+    for r in mine:
+        b = tokens_per_s(ref.get(r, []), decode_only)
+        if b > 0:
+            out.append(tokens_per_s(mine[r], decode_only) / b)
+    return out
+
+
+def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: float) -> dict[str, Any]:
+    rounds = by_round(rows)
+    tps = [tokens_per_s(rs) for rs in rounds.values()]
+    speedups = round_ratios(rows, base)
+    n_rounds = max(len(rounds), 1)
+    agg: dict[str, Any] = {
+        "tokens_per_s": statistics.median(tps) if tps else 0.0,
+        "tokens_per_s_min": min(tps, default=0.0), "tokens_per_s_max": max(tps, default=0.0),
+        "speedup": statistics.median(speedups) if speedups else None,
+        "speedup_min": min(speedups, default=None), "speedup_max": max(speedups, default=None),
+        "speedup_by_round": speedups, "rounds": len(rounds),
+        "n_prompts": len({r["prompt_id"] for r in rows}),
+        "new_tokens": sum(r["new_tokens"] for r in rows) // n_rounds,
+        "wall_s": sum(r["wall_s"] for r in rows) / n_rounds, "temperature": temp,
+        "greedy_identical": (sum(r["greedy_identical"] for r in rows) / len(rows) if temp == 0 and rows else None)}
+    steps = [a for r in rows if r.get("accepted") is not None for a in r["accepted"]]
+    agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
+    # decode only: the prompt's prefill (the same target forward for every strategy) taken out of the wall time;
+    # the peers' records have no prefill time
+    decode = round_ratios(rows, base, decode_only=True) if all("prefill_s" in r for r in rows) else []
+    agg["decode_speedup"] = statistics.median(decode) if decode else None
+    agg["speedup_by_category"] = by_category(rows, base)
+    peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
+    agg["peak_memory_gib"] = max(peaks) if peaks else None
+    agg["drafter_stats"] = sum_stats([r.get("drafter_stats") for r in rows])
+    if steps:
+        depth = max(steps)
+        agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]
+        agg["mean_tree_size"] = statistics.mean(d for r in rows for d in r["drafted"])
+        agg["draft_forwards_per_step"] = sum(r["draft_forwards"] for r in rows) / len(steps)
+        wall = sum(r["wall_s"] for r in rows)
+        agg["time_split"] = {k: sum(r[k] for r in rows) / wall for k in ("prefill_s", "draft_s", "verify_s",
+                                                                       "overhead_s")}
+    return agg
+
+
+def by_category(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
+    """Speedup over plain within each prompt category (same prompts, same run, all rounds pooled)."""
+    out = {}
+    for cat in sorted({r["category"] for r in rows}):
+        ref_tps = tokens_per_s([r for r in base if r["category"] == cat])
+        out[cat] = tokens_per_s([r for r in rows if r["category"] == cat]) / ref_tps if ref_tps else 0.0
+    return out
+
+
+def sum_stats(dicts: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Key-wise sums of drafters' per-step `stats` dicts (e.g. gsd's draft work saved by merging); None if none."""
+    out: dict[str, float] = {}
+    for d in dicts:
+        for key, value in (d or {}).items():
+            out[key] = out.get(key, 0) + value
+    return out or None
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """Markdown: per strategy and temperature τ, tree size, draft forwards per step, speed with its spread over
+    rounds, the cost model's predicted speedup, identity, time split and peak memory."""
+    head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | speedup (min–max) | predicted | decode speedup "
+            "| greedy identical | prefill / draft / verify / other | peak GiB |")
+    lines = [head, "|" + "---|" * 12]
+    for label, s in summary.items():
+        for temp, a in s["by_temperature"].items():
+            ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
+            split = a.get("time_split")
+            parts = ("prefill_s", "draft_s", "verify_s")
+            split_s = "-" if not split else " / ".join(
+                [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
+            speed = cell(a, "speedup", unit="x")
+            if a.get("rounds", 1) > 1 and a.get("speedup_min") is not None:
+                speed += f" ({a['speedup_min']:.2f}–{a['speedup_max']:.2f})"
+            predicted = cell(a, "predicted_speedup", unit="x")
+            if a.get("model_check"):
+                predicted += f" {a['model_check']}"
+            lines.append(f"| {label} | {temp} | {cell(a, 'tau')} | {cell(a, 'mean_tree_size', '.1f')} "
+                         f"| {cell(a, 'draft_forwards_per_step', '.1f')} | {a['tokens_per_s']:.2f} | {speed} "
+                         f"| {predicted} | {cell(a, 'decode_speedup', unit='x')} | {ident} "
+                         f"| {split_s} | {cell(a, 'peak_memory_gib', '.1f')} |")
+    return "\n".join(lines)
+
+
+def cell(agg: dict[str, Any], key: str, fmt: str = ".2f", unit: str = "") -> str:
+    """One table cell: agg[key] formatted, or '-' where it is missing (a peer has no tau, no tree)."""
+    return "-" if agg.get(key) is None else format(agg[key], fmt) + unit
