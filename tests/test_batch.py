@@ -211,3 +211,67 @@ def test_batch_aware_sequoia_sizes_its_tree_for_the_batch(pair):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
     want = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts]
     assert run_batch(target, [plans.drafter] * 6, prompts, [cfg] * 6) == want
+
+
+# ---------------------------------------------------------------- chunked prefill inside the batched steps
+
+def run_joining(target, makers, prompts, cfgs, chunk: int, join_at: int) -> tuple[list[list[int]], list[int]]:
+    """Request 0 runs alone; the others join (prefill=False) after `join_at` steps and fill their prompts `chunk`
+    tokens a step. Returns every request's tokens and request 0's emitted count at each step."""
+    reqs = [batched_engine.Active(engine.start(target, makers[0](), prompts[0], cfgs[0]), frozenset())]
+    out: list[list[int]] = [[] for _ in prompts]
+    per_step, steps = [], 0
+    while any(not a.done for a in reqs):
+        if steps == join_at:
+            reqs += [batched_engine.Active(engine.start(target, make(), p, c, prefill=False), frozenset())
+                     for make, p, c in zip(makers[1:], prompts[1:], cfgs[1:], strict=True)]
+        active = [a for a in reqs if not a.done]
+        for a, toks in zip(active, batched_engine.step(target, active, chunk=chunk), strict=True):
+            out[reqs.index(a)].extend(t.id for t in toks)
+            if a is reqs[0]:
+                per_step.append(len(toks))
+        steps += 1
+    return out, per_step
+
+
+def _recording(forward_batch, chunks: list[int]):
+    """forward_batch that first notes the length of every prompt chunk (a block with parents None) it gets."""
+    def run(blocks):
+        chunks.extend(len(t) for _, t, parents in blocks if parents is None)
+        return forward_batch(blocks)
+    return run
+
+
+def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_one(pair):
+    """Greedy and sampled: every request emits what it emits alone; the running request emits tokens at every step
+    while the joiners fill their prompts (2 tokens a step: up to 4 steps for the 9-token prompt)."""
+    target, draft = pair
+    makers = [lambda: ChainDrafter(draft, 2), lambda: None, lambda: TreeDrafter(draft, [-1, -1, 0], "swor")]
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    for cfgs in ([SamplingConfig(max_new_tokens=n) for n in (16, 6, 8)],
+                 [SamplingConfig(temperature=0.8, seed=s, max_new_tokens=n) for s, n in ((1, 16), (2, 6), (3, 8))]):
+        alone = [[t.id for t in engine.stream(target, make(), p, c)] for make, p, c in zip(makers, prompts, cfgs,
+                                                                                          strict=True)]
+        chunks: list[int] = []
+        target.forward_batch = _recording(target.forward_batch, chunks)
+        try:
+            got, per_step = run_joining(target, makers, prompts, cfgs, chunk=2, join_at=2)
+        finally:
+            del target.forward_batch
+        assert got == alone
+        assert len(per_step) >= 6 and all(n >= 1 for n in per_step)  # never held up by the joiners' prefill
+        assert sorted(chunks) == [1] + [2] * 6  # 9 - 1 and 6 - 1 prompt tokens, at most 2 a step, in the steps
+
+
+def test_prefill_chunks_do_not_depend_on_the_batch(pair):
+    """A request filled in chunks emits the same tokens whoever runs beside it, and the chunk rows are the ledger's."""
+    target, _ = pair
+    req = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3), prefill=False)
+    assert req.unfilled == len(PROMPTS[2]) - 1 and req.cache.length == 0
+    assert batched_engine._chunk(req, 4) == PROMPTS[2][:4]
+    batched_engine.step(target, [batched_engine.Active(req, frozenset())], chunk=4)
+    assert req.unfilled == 4 and req.cache.length == 4 and batched_engine._chunk(req, 4) == PROMPTS[2][4:8]
+    batched_engine.step(target, [batched_engine.Active(req, frozenset())], chunk=4)
+    assert req.unfilled == 0 and req.cache.length == 8 and req.stats.steps == []
+    whole = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3))
+    assert torch.allclose(req.cache.layers[0].keys[..., :8, :], whole.cache.layers[0].keys[..., :8, :], atol=1e-5)

@@ -7,9 +7,10 @@ request is verified, compacted and streamed on its own (docs/algorithms.md §11)
 
 A request's rows meet other requests' rows only in the linear layers, whose per-row arithmetic does not depend on
 the other rows (runtime/batched.py), and its random numbers come from its own generator: its output is what it
-would emit alone with the same trees. Requests join (`start`, which runs their prefill) and leave (`done`) between
-steps. A drafter that sizes its tree for the batch (`batch_aware`) is told, before it proposes, what the requests
-before it in the step have already drafted (`BatchLedger`).
+would emit alone with the same trees. Requests join (`start`; with prefill=False their prompts are filled chunk by
+chunk inside the steps) and leave (`done`) between steps. A drafter that sizes its tree for the batch
+(`batch_aware`) is told, before it proposes, what the requests before it in the step have already drafted, the
+prompt chunks included (`BatchLedger`).
 """
 
 from __future__ import annotations
@@ -33,11 +34,22 @@ class Active:
     done: bool = False
 
 
-def step(target: Model, batch: Sequence[Active]) -> list[list[Token]]:
-    """One batched step over the active requests; the tokens each one emits (already appended to its seq)."""
+PREFILL_CHUNK = 32  # prompt tokens a joining request adds to one batched forward (its rows cost ~ one step's)
+
+
+def step(target: Model, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -> list[list[Token]]:
+    """One batched step over the active requests; the tokens each one emits (already appended to its seq).
+
+    A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
+    to the same forward instead of a tree and emits nothing this step: a joining request slows the running ones by
+    a chunk's rows a step instead of stopping them for its whole prefill. The chunks fall at the same places
+    whatever else is in the batch."""
+    filling = [a for a in batch if a.req.unfilled]
+    chunks = {id(a): _chunk(a.req, chunk) for a in filling}
+    decoding = [a for a in batch if not a.req.unfilled]
     trees, draft_s = [], []
-    ledger = BatchLedger(pending=len(batch))
-    for a in batch:
+    ledger = BatchLedger(rows=sum(len(c) for c in chunks.values()), pending=len(decoding))
+    for a in decoding:
         ledger.pending -= 1
         drafter = a.req.drafter
         if drafter is not None and getattr(drafter, "batch_aware", False):
@@ -48,17 +60,29 @@ def step(target: Model, batch: Sequence[Active]) -> list[list[Token]]:
         ledger.rows += 1 + len(trees[-1])
         ledger.tokens += float(getattr(drafter, "expected_tokens", 1.0))
         ledger.draft_s += draft_s[-1]
+    blocks = [(a.req.cache, chunks[id(a)], None) for a in filling]
     t1 = time.perf_counter()
-    all_logits = target.forward_batch([block(a.req, tree) for a, tree in zip(batch, trees, strict=True)])
+    all_logits = target.forward_batch(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
     t2 = time.perf_counter()
-    emitted = []
-    for a, tree, logits, d_s in zip(batch, trees, all_logits, draft_s, strict=True):
+    emitted: dict[int, list[Token]] = {}
+    for a in filling:
+        n = len(chunks[id(a)])
+        a.req.cache.keep(list(range(n)))
+        a.req.unfilled -= n
+        a.req.stats.prefill_s += t2 - t1
+        emitted[id(a)] = []
+    for a, tree, logits, d_s in zip(decoding, trees, all_logits[len(filling):], draft_s, strict=True):
         t = time.perf_counter()
         verdict = settle(a.req, tree, logits)
-        tokens, a.done = emit(a.req, tree, verdict, a.eos_ids)
-        emitted.append(tokens)
+        emitted[id(a)], a.done = emit(a.req, tree, verdict, a.eos_ids)
         a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, t2 - t1, time.perf_counter() - t))
-    return emitted
+    return [emitted[id(a)] for a in batch]
+
+
+def _chunk(req: Request, size: int) -> list[int]:
+    """The next prompt tokens to prefill: from the first one not in the cache, up to `size`, never the root."""
+    done = len(req.seq) - 1 - req.unfilled
+    return req.seq[done:done + min(size, req.unfilled)]
 
 
 def generate(target: Model, entries: Sequence[tuple[Drafter | None, list[int], SamplingConfig]],

@@ -78,21 +78,24 @@ class Request:
     generator: torch.Generator | None
     stats: Stats
     produced: int = 0
+    unfilled: int = 0  # prompt tokens (the root excepted) not yet in the target's cache: chunked prefill (batch.py)
 
 
 def start(target: Model, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
-          stats: Stats | None = None) -> Request:
-    """A request after its prompt prefill: the target's cache holds every prompt token but the root."""
+          stats: Stats | None = None, prefill: bool = True) -> Request:
+    """A request after its prompt prefill: the target's cache holds every prompt token but the root. With
+    prefill=False the cache starts empty and the batched step (engine/batch.py) fills it chunk by chunk."""
     check_prompt(prompt, cfg, target)
     stats = stats if stats is not None else Stats()
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     t0 = time.perf_counter()
-    req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats)
+    req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats, unfilled=len(prompt) - 1)
     if drafter is not None:
         drafter.reset()
-    if len(prompt) > 1:
+    if prefill and req.unfilled:
         target.forward(req.cache, prompt[:-1], last=True)  # its logits are not needed: the first step scores the root
-        req.cache.keep(list(range(len(prompt) - 1)))
+        req.cache.keep(list(range(req.unfilled)))
+        req.unfilled = 0
     stats.prefill_s = time.perf_counter() - t0
     return req
 

@@ -3,7 +3,8 @@ step (engine/batch.py) and lets jobs join and leave it between steps (iteration-
 
 Contract: `Scheduler.submit` queues a job or raises APIError 429 when `queue_size` jobs already wait. The worker
 (started by the first submit, ended by `stop`) loops: admit the oldest waiting job if fewer than `max_batch` run
-(its prompt prefill runs then, one job per step, so a new request holds the running ones up for about one step),
+(one job per step; its prompt is then prefilled inside the batched steps, a chunk of engine/batch.py's
+PREFILL_CHUNK tokens a step, so a joining request slows the running ones by a chunk's rows instead of stopping them),
 run one batched step over the running jobs, hand each job its new text (`Delta`), and end the jobs that are done
 (EOS, length, a stop string: `Done`) or whose client left (`cancel`, checked before admission and after every
 step: `Done("cancelled")`). Each job keeps its own strategy, options, sampling settings and seed; its output is
@@ -189,7 +190,7 @@ class Scheduler:
             name, options = self.sp.options_for(job.strategy, job.options)
             shared = self.sp.strategy_for(name, **options)
             req = engine.start(self.sp.pair.target, shared.drafter() if shared is not None else None, job.prompt,
-                               job.cfg, stats)
+                               job.cfg, stats, prefill=False)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the job's answer; the server keeps serving
             self._fail(job, exc, stats, progress, t0)
             return
@@ -201,6 +202,7 @@ class Scheduler:
 
     def _step(self) -> None:
         """One batched step; every job's new text; the jobs that ended leave the batch."""
+        decoding = [r for r in self.running if not r.active.req.unfilled]  # the others fill their prompts
         try:
             emitted = batch_step(self.sp.pair.target, [r.active for r in self.running])
         except Exception as exc:  # noqa: BLE001 - a failed step fails the jobs in it, not the server
@@ -208,9 +210,9 @@ class Scheduler:
                 self._fail(r.job, exc, r.active.req.stats, r.progress, r.t0)
             self.running = []
             return
-        self.metrics.observe_step(len(self.running), sum(1 + s.drafted for s in
-                                                         (r.active.req.stats.steps[-1] for r in self.running)),
-                                  [r.active.req.stats.steps[-1].accepted for r in self.running])
+        steps = [r.active.req.stats.steps[-1] for r in decoding]
+        if steps:
+            self.metrics.observe_step(len(steps), sum(1 + s.drafted for s in steps), [s.accepted for s in steps])
         still = []
         for r, toks in zip(self.running, emitted, strict=True):
             if self._deliver(r, toks):
