@@ -19,6 +19,7 @@ import torch
 from speculor.core.tree import attention_mask, position_ids
 from speculor.runtime import batched
 from speculor.runtime.cache import KVCache
+from speculor.runtime.lean import LeanDecoder
 
 Block = tuple[KVCache, "torch.Tensor | list[int]", "torch.Tensor | None"]  # (a request's cache, tokens, parents)
 
@@ -26,13 +27,18 @@ Block = tuple[KVCache, "torch.Tensor | list[int]", "torch.Tensor | None"]  # (a 
 class Model:
     """A transformers causal LM shared by every request: runs a block of tokens against a request's `KVCache`."""
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, *,
+                 lean: bool | LeanDecoder = False) -> None:
+        """lean=True (or a `LeanDecoder` of `model`, e.g. with fuse=True): run `forward` through lean.py's forward
+        (the same logits up to summation order, less overhead; for a draft)."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()  # an nn.Linear, or a packed one without its fp32 weight (kernels.py)
+        self.vocab_size = vocab_size or getattr(head, "out_features", None) or head.weight.shape[0]
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.batched = batched.enable(model)  # one forward for several requests' blocks (`forward_batch`)
+        self.lean = lean if isinstance(lean, LeanDecoder) else LeanDecoder(model) if lean else None
 
     @staticmethod
     def new_cache() -> KVCache:
@@ -52,6 +58,8 @@ class Model:
         continues the last pending entry. With hidden=True also returns the last hidden states [n, H].
         """
         tokens, region, b = _open(cache, tokens, parents, append)
+        if self.lean is not None:
+            return self._lean_forward(cache, tokens, region, b, hidden, last)
         out = self.model(
             input_ids=tokens[None].to(self.device),
             position_ids=position_ids(region, cache.length)[:, b:].to(self.device),
@@ -65,12 +73,21 @@ class Model:
         logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
         return (logits, out.hidden_states[-1][0]) if hidden else logits
 
+    def _lean_forward(self, cache: KVCache, tokens: torch.Tensor, region: torch.Tensor, b: int, hidden: bool,
+                      last: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        mask = attention_mask(region, cache.length, self.dtype)[0, 0, b:]  # [n, kv]
+        logits, h = self.lean(cache, tokens.to(self.device), position_ids(region, cache.length)[0, b:].to(self.device),
+                              mask.to(self.device) if mask.any() else None, last=last, hidden=hidden)  # all 0: no mask
+        cache.pending = region
+        logits = _fit_vocab(logits.float(), self.vocab_size)
+        return (logits, h) if hidden else logits
+
     @torch.inference_mode()
     def forward_batch(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
         """Logits [n_i, V] for each request's block (cache_i, tokens_i, parents_i), as `forward(cache_i, tokens_i,
         parents_i)` gives them, from ONE forward over the stacked rows when the model can batch (runtime/batched.py:
         linear layers over all rows, attention per request); one forward per block otherwise."""
-        if not self.batched or len(blocks) == 1:
+        if not self.batched or self.lean is not None or len(blocks) == 1:
             return [self.forward(cache, tokens, parents) for cache, tokens, parents in blocks]
         segments, ids, positions, regions, start = [], [], [], [], 0
         for cache, tokens, parents in blocks:

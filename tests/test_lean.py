@@ -1,0 +1,199 @@
+"""The lean draft forward (runtime/lean.py) on tiny random Qwen2/Llama models (no download): its logits and hidden
+states equal the stock `Model.forward`'s for prompts, tree blocks, appended depths, after keep/trim, with last=True,
+through int8 kernels and a restricted head; it never calls transformers' forward; drafters with a lean draft give
+the target's plain greedy tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from speculor import Model, SamplingConfig, SpeculorError, engine, load_pair
+from speculor.drafters.base import ChainDrafter, TreeDrafter
+from speculor.runtime.draft_vocab import restrict_head
+from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
+from speculor.runtime.lean import LeanDecoder, fused, supports
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB = 64
+TOL = 1e-5
+
+
+def tiny(seed: int, layers: int = 2, family: str = "qwen2", heads: int = 4, kv_heads: int = 2):
+    torch.manual_seed(seed)
+    config, cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, intermediate_size=64, max_position_embeddings=1024)
+    return cls(cfg).float().eval()
+
+
+def int8(model, kind=Int8Linear):
+    out = copy.deepcopy(model)
+    pack_linears(out, kind)
+    return out
+
+
+def restricted(model):
+    out = copy.deepcopy(model)
+    restrict_head(out, torch.arange(0, VOCAB, 2))
+    return out
+
+
+MODELS = {"qwen2": lambda: tiny(0), "llama": lambda: tiny(1, family="llama"), "mha": lambda: tiny(2, kv_heads=4),
+          "int8": lambda: int8(tiny(3)), "restricted": lambda: restricted(tiny(4)),
+          "onednn": lambda: int8(tiny(8), PackedLinear)}  # not fusable: the lean forward runs its linears as they are
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to fp32 summation order; -inf (a restricted head's ids outside the subset) at the same places."""
+    assert a.shape == b.shape
+    assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+    assert (a[torch.isfinite(a)] - b[torch.isfinite(b)]).abs().max() < TOL
+
+
+# each step: (method, tokens, parents or None, keyword arguments) or ("keep", rows) / ("trim", n)
+SCRIPT = [
+    ("forward", list(range(3, 40)), None, {}),  # a prompt (a chain)
+    ("keep", list(range(37))),
+    ("forward", [5, 6, 7, 8, 9], [-1, 0, 0, 1, 1], {}),  # a tree block
+    ("forward", [10, 11, 12], [3, 4, 2], {"append": True}),  # one more depth, appended
+    ("forward", [13], [5], {"append": True, "hidden": True}),
+    ("keep", [0, 1, 4, 7]),  # an accepted path: rows moved, the rest dropped
+    ("forward", [14, 15, 16, 17], [-1, -1, 1, 1], {}),  # a forest
+    ("forward", [18], None, {"append": True}),  # continues the last pending row
+    ("keep", [0, 2]),
+    ("trim", 40),  # roll back two committed entries
+    ("forward", [19, 20, 21], None, {"last": True}),
+    ("forward", [22, 23], None, {"last": True, "hidden": True}),
+    ("keep", [0, 1]),
+    ("forward", [24], None, {}),  # one row that sees every entry: no mask
+    ("forward", [25], None, {"hidden": True}),
+]
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_lean_forward_equals_the_stock_forward(name, fuse):
+    module = MODELS[name]()
+    stock, lean = Model(module), Model(module, lean=LeanDecoder(module, fuse=fuse))
+    assert (lean.lean.qkv[0] is not None) == (fuse and name != "onednn")  # fuses what it can
+    caches = stock.new_cache(), lean.new_cache()
+    for step in SCRIPT:
+        if step[0] in ("keep", "trim"):
+            for cache in caches:
+                getattr(cache, step[0])(step[1])
+            continue
+        _, tokens, parents, kw = step
+        parents = None if parents is None else torch.tensor(parents, dtype=torch.long)
+        a, b = (m.forward(c, tokens, parents, **kw) for m, c in zip((stock, lean), caches, strict=True))
+        if kw.get("hidden"):
+            (a, ha), (b, hb) = a, b
+            assert hb.shape == (len(tokens), 32)
+            same(ha, hb)
+        assert b.shape == (1 if kw.get("last") else len(tokens), VOCAB)
+        same(a, b)
+        assert torch.equal(caches[0].pending, caches[1].pending)
+    for x, y in zip(caches[0].layers, caches[1].layers, strict=True):  # the same keys and values were written
+        assert x.n == y.n
+        same(x.keys, y.keys)
+        same(x.values, y.values)
+
+
+def test_lean_forward_skips_transformers_forward():
+    module = tiny(5)
+    lean = Model(module, lean=True)
+    calls = []
+    module.forward = lambda *a, **k: calls.append(1)
+    logits = lean.forward(lean.new_cache(), [1, 2, 3])
+    assert calls == [] and logits.shape == (3, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_forward_batch_of_a_lean_model_gives_each_block_its_logits():
+    module = tiny(6)
+    stock, lean = Model(module), Model(module, lean=True)
+    prompts, blocks = [[3, 1, 4, 1, 5], [9, 2]], [([6, 7, 8], [-1, 0, 0]), ([2], [-1])]
+    out = {}
+    for m in (stock, lean):
+        caches = []
+        for p in prompts:
+            caches.append(m.new_cache())
+            m.forward(caches[-1], p)
+            caches[-1].keep(list(range(len(p))))
+        out[m] = m.forward_batch([(c, t, torch.tensor(par)) for c, (t, par) in zip(caches, blocks, strict=True)])
+    for a, b in zip(out[stock], out[lean], strict=True):
+        same(a, b)
+
+
+def test_unsupported_models_are_refused():
+    module = tiny(7)
+    module.config.layer_types = ["sliding_attention"] * 2
+    assert not supports(module)
+    with pytest.raises(SpeculorError, match="lean forward"):
+        Model(module, lean=True)
+    with pytest.raises(SpeculorError):
+        LeanDecoder(torch.nn.Linear(2, 2))
+
+
+def plain(target: Model, prompt: list[int], n: int) -> list[int]:
+    return [t.id for t in engine.stream(target, None, prompt, SamplingConfig(max_new_tokens=n))]
+
+
+@pytest.mark.parametrize("drafter", ["chain", "tree"])
+def test_a_lean_draft_gives_the_plain_greedy_tokens(drafter):
+    target = Model(tiny(10))
+    module = int8(perturbed(target.model, 0.05))
+    draft = Model(module, lean=LeanDecoder(module, fuse=True) if drafter == "tree" else True)
+    stats = engine.Stats()
+    for prompt in ([1, 2, 3, 4, 5], [42], [7, 7, 7, 7, 9, 11]):
+        d = ChainDrafter(draft, 3) if drafter == "chain" else TreeDrafter(draft, [-1, -1, 0, 0, 1, 2, 2, 4])
+        spec = [t.id for t in engine.stream(target, d, prompt, SamplingConfig(max_new_tokens=24), stats=stats)]
+        assert spec == plain(target, prompt, 24), f"prompt {prompt}"
+    assert len({s.accepted for s in stats.steps}) >= 2  # partial acceptance: the draft cache was compacted
+
+
+def perturbed(model, noise: float):
+    """A copy with every weight matrix moved by `noise` times its own spread: a draft that is often right."""
+    near = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in near.parameters():
+            if p.numel() > 1:
+                p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    return near
+
+
+def test_fused_linears_compute_the_concatenated_outputs():
+    module = tiny(9)
+    attn = module.model.layers[0].self_attn
+    x = torch.randn(3, 32)
+    for kind in (None, Int8Linear):
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj] if kind is None else [Int8Linear(m) for m in
+                                                                               (attn.q_proj, attn.k_proj, attn.v_proj)]
+        one = fused(parts)
+        assert type(one) is type(parts[0]) and one.out_features == 32 + 16 + 16
+        same(one(x), torch.cat([m(x) for m in parts], dim=-1))
+    assert fused([PackedLinear(attn.q_proj), PackedLinear(attn.k_proj)]) is None
+
+
+def test_load_pair_runs_only_the_draft_lean(tmp_path):
+    """Lean is the default for an int8 draft, never for the target, off with lean_draft=False or eager kernels."""
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(2, VOCAB)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    for name, seed in (("target", 11), ("draft", 12)):
+        tiny(seed).save_pretrained(tmp_path / name)
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(
+            tmp_path / name)
+    pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))  # the default: a lean int8 draft
+    assert pair.target.lean is None and isinstance(pair.draft.lean, LeanDecoder)
+    assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), lean_draft=False).draft.lean is None
+    assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), packed=False, draft_int8=False
+                     ).draft.lean is None  # eager kernels: the models' own forward
+    prompt = [4, 5, 6, 7]
+    spec = [t.id for t in engine.stream(pair.target, ChainDrafter(pair.draft, 2), prompt,
+                                        SamplingConfig(max_new_tokens=10))]
+    assert spec == plain(pair.target, prompt, 10)
