@@ -1,4 +1,4 @@
-"""Shared fixtures. The real pair takes ~16 GB of RAM: load it once per session, for every integration module,
+"""Shared fixtures. The real pair takes ~7 GiB of RAM: load it once per session, for every integration module,
 and decode the plain greedy references of the shared prompts once."""
 
 import pytest

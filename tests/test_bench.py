@@ -109,3 +109,49 @@ def test_bench_batch_writes_l_at_b_entries(pair, tmp_path, monkeypatch) -> None:
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 3 * 3 * 3 and {r["group_size"] for r in records if r["batch"] == 2} == {1, 2}
     assert "| chain:k=2@3 |" in (tmp_path / "table.md").read_text()
+
+
+def test_peers_run_the_models_as_given_after_packing(pair, tmp_path, monkeypatch) -> None:
+    """A pair loaded with the fast kernels holds no fp32 Linear weights: the transformers peers load the untouched
+    models from disk for their call (same tokens as on the stock pair) and free them after it."""
+    import gc
+    import weakref
+
+    from speculor.bench import peers
+    from speculor.config import SamplingConfig
+    from speculor.runtime.kernels import can_pack, is_packed
+    from speculor.runtime.loading import load_pair
+
+    if not can_pack(pair.target.model):
+        pytest.skip("needs oneDNN")
+    for name, lm in (("target", pair.target), ("draft", pair.draft)):
+        lm.model.save_pretrained(tmp_path / name)
+        pair.tokenizer.save_pretrained(tmp_path / name)
+    packed = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))
+    assert is_packed(packed.target.model) and is_packed(packed.draft.model)
+    target, draft = peers.models_as_given(packed, with_draft=True)
+    assert not is_packed(target) and not is_packed(draft)
+    for given, original in ((target, pair.target.model), (draft, pair.draft.model)):
+        want = original.state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in given.state_dict().items()) and len(want) > 10
+    stock_target, _ = peers.models_as_given(pair, with_draft=False)
+    assert stock_target is pair.target.model  # stock models are used as they are, not loaded again
+    del target, draft, given, original, stock_target
+
+    loaded = []
+    load = peers.load_model
+
+    def spy(*args, **kwargs):
+        model, tok = load(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model, tok
+
+    monkeypatch.setattr(peers, "load_model", spy)
+    cfg, eos = SamplingConfig(max_new_tokens=8, stop_on_eos=False), frozenset({pair.tokenizer.eos_token_id})
+    for name in ("hf-assisted", "hf-prompt-lookup"):
+        ids = pair.tokenizer.encode(TEXTS[0])
+        want, _ = peers.hf_generate(pair, name, ids, cfg, eos)
+        got, _ = peers.hf_generate(packed, name, ids, cfg, eos)
+        assert got == want and len(got) == 8
+    gc.collect()
+    assert len(loaded) == 3 and all(ref() is None for ref in loaded)  # target + draft, then target: all freed

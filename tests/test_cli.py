@@ -239,3 +239,19 @@ def test_every_name_the_commands_import_exists() -> None:
                     assert hasattr(mod, node.attr), f"{fn.name}: {mod.__name__}.{node.attr}"
                     checked += 1
     assert checked > 30
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_generate_prints_the_peak_memory(json_out, monkeypatch, capsys) -> None:
+    """One stderr line with the process's peak resident memory (runtime/memory.py), after the text or the JSON."""
+    from test_server import tiny_pair
+
+    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: tiny_pair())
+    assert cli.main(["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "4"]
+                    + (["--json"] if json_out else [])) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and (json.loads(out)["token_ids"] if json_out else True)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("peak resident memory: ")
+    if Path("/proc/self/status").exists():
+        assert 0.05 < float(line.removeprefix("peak resident memory: ").removesuffix(" GiB")) < 1024

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -152,6 +153,18 @@ def test_models_and_health(client: openai.OpenAI, http: httpx.Client) -> None:
     assert [m.id for m in client.models.list()] == ["tiny-target"]
     body = http.get("/health").json()
     assert body["status"] == "ok" and body["queue_depth"] == 0 and body["queue_size"] == 64
+
+
+def test_peak_memory_in_health_and_metrics(http: httpx.Client) -> None:
+    """The process's peak resident set (runtime/memory.py), in /health and as a Prometheus gauge."""
+    from speculor.runtime.memory import peak_memory_gib
+
+    peak = http.get("/health").json()["peak_memory_gib"]
+    gauge = metrics(http)[("speculor_peak_memory_gib", ())]
+    if not Path("/proc/self/status").exists():  # not Linux: unknown
+        assert peak is None and gauge != gauge
+        return
+    assert 0.05 < peak <= gauge <= peak_memory_gib(torch.device("cpu"))  # in GiB, read when asked, never falling
 
 
 def test_completion_greedy_equals_library(pair: Pair, client: openai.OpenAI) -> None:

@@ -54,8 +54,10 @@ def load_pair_from_args(args: Args):
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     draft = None if args.draft == "none" else args.draft
-    fast = getattr(args, "kernels", "fast") == "fast"
-    return load_pair(args.target, draft, device=args.device, dtype=dtype, packed=fast, draft_int8=fast)
+    kernels = getattr(args, "kernels", "fast")
+    fast = kernels in ("fast", "compact")
+    return load_pair(args.target, draft, device=args.device, dtype=dtype, packed=fast, draft_int8=fast,
+                     draft_vocab=getattr(args, "draft_vocab", None), compact=kernels == "compact")
 
 
 def cmd_generate(args: Args) -> None:
@@ -71,6 +73,7 @@ def cmd_generate(args: Args) -> None:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "tau": out.tau,
                           "tokens_per_s": out.tokens_per_s, "steps": len(out.stats.steps),
                           "finish_reason": out.finish_reason}))
+        _print_peak_memory(sp.pair.target.device)
         return
     from speculor.engine import Stats
 
@@ -82,6 +85,16 @@ def cmd_generate(args: Args) -> None:
     dt = time.perf_counter() - t0
     print(f"\n\n[{args.strategy}] {n} tokens in {dt:.2f} s: {n / dt:.2f} tokens/s, tau = {stats.tau:.2f}",
           file=sys.stderr)
+    _print_peak_memory(sp.pair.target.device)
+
+
+def _print_peak_memory(device) -> None:
+    """One stderr line: the process's peak memory so far (loading included; runtime/memory.py says what it counts)."""
+    from speculor.runtime.memory import peak_memory_gib
+
+    peak = peak_memory_gib(device)
+    where = "GPU memory (torch's allocator)" if device.type == "cuda" else "resident memory"
+    print(f"peak {where}: " + ("unknown on this OS" if peak is None else f"{peak:.2f} GiB"), file=sys.stderr)
 
 
 def cmd_train_head(args: Args) -> None:

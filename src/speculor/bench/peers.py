@@ -11,10 +11,16 @@
 
 transformers reads the assisted-generation settings from the draft model's generation_config (and the heuristic
 schedule writes its last draft length back there); the peers set them for the call and restore them after.
+
+The peers run the models as the user gave them: plain nn.Linear arithmetic over the original fp32 weights. The fast
+kernels (runtime/kernels.py) keep only packed copies of those weights, so for a pair loaded with them `as_given`
+loads the models again from disk for the one call and frees them after it (the load is not timed); a pair of stock
+models (`--kernels eager`, a GPU, bf16) is used as it is. Only one extra copy lives, and only during a peer's call.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,8 +30,9 @@ import torch
 
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
-from speculor.runtime.kernels import eager
-from speculor.runtime.loading import Pair
+from speculor.runtime.kernels import is_packed
+from speculor.runtime.loading import Pair, load_model
+from speculor.runtime.model import Model
 
 PEERS = ("hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence", "hf-prompt-lookup")
 ASSISTANT_SETTINGS: dict[str, dict[str, Any]] = {
@@ -58,6 +65,39 @@ def generation_settings(model: torch.nn.Module | None, settings: dict[str, Any])
                 setattr(config, k, v)
 
 
+def _model_as_given(lm: Model, spec: str) -> torch.nn.Module:
+    """lm's transformers model if its linears are stock, else the same model loaded again from `spec` (the
+    fast kernels released the original weights)."""
+    if not is_packed(lm.model):
+        return lm.model
+    if not spec:
+        raise SpeculorError("the transformers peers need the models as given, but this pair was built with the fast "
+                            "kernels and without model names to load them again from; load it with packed=False "
+                            "(--kernels eager)")
+    model, _ = load_model(spec, device=str(lm.device), dtype=lm.dtype)
+    return model.eval()
+
+
+def models_as_given(pair: Pair, with_draft: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(target, draft or None) with plain nn.Linear arithmetic over the original weights: the pair's own models where
+    they are stock, else copies loaded from disk, which the caller drops (and `gc.collect()`s) after its call."""
+    target = _model_as_given(pair.target, pair.target_name)
+    draft = _model_as_given(pair.draft, pair.draft_name) if with_draft and pair.draft is not None else None
+    return target, draft
+
+
+def _generate(pair: Pair, name: str, ids: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, float]:
+    """(output ids, wall seconds) of the peer's generate call; the models reloaded for it go when this returns."""
+    assisted = name in ASSISTANT_SETTINGS
+    target, draft = models_as_given(pair, with_draft=assisted)
+    if assisted:
+        kwargs = kwargs | {"assistant_model": draft}
+    with generation_settings(draft, ASSISTANT_SETTINGS.get(name, {})):
+        t0 = time.perf_counter()
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return out, time.perf_counter() - t0
+
+
 @torch.inference_mode()
 def hf_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
                 eos_ids: frozenset[int]) -> tuple[list[int], float]:
@@ -66,7 +106,6 @@ def hf_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
     if name in ASSISTANT_SETTINGS:
         if pair.draft is None:
             raise SpeculorError(f"{name} needs a draft model")
-        kwargs["assistant_model"] = pair.draft.model
     elif name == "hf-prompt-lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
     else:
@@ -78,11 +117,7 @@ def hf_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
     else:
         kwargs |= {"temperature": None, "top_p": None, "top_k": None}
     eos = sorted(eos_ids) if cfg.stop_on_eos else None
-    ids = torch.tensor([prompt], device=pair.target.device)
-    t0 = time.perf_counter()
-    draft = pair.draft.model if pair.draft else None
-    with eager(pair.target.model, draft), generation_settings(draft, ASSISTANT_SETTINGS.get(name, {})):
-        out = pair.target.model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
-                                         pad_token_id=(eos or [0])[0], **kwargs)
-    wall = time.perf_counter() - t0
+    kwargs |= {"eos_token_id": eos, "pad_token_id": (eos or [0])[0]}
+    out, wall = _generate(pair, name, torch.tensor([prompt], device=pair.target.device), kwargs)
+    gc.collect()  # a reloaded copy of the models goes now, not at some later collection
     return out[0, len(prompt):].tolist(), wall

@@ -140,7 +140,8 @@ def machine_key(pair: Pair) -> dict[str, str]:
     return {"node": platform.node(), "chip": chip, "threads": str(torch.get_num_threads()),
             "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
             "target": pair.target_name, "draft": pair.draft_name,
-            "kernels": f"{linear_kinds(lm.model)} / {linear_kinds(pair.draft.model) if pair.draft else '-'}"}
+            "kernels": f"{linear_kinds(lm.model)} / {linear_kinds(pair.draft.model) if pair.draft else '-'}"
+                       + (" / lean draft" if pair.draft is not None and pair.draft.lean is not None else "")}
 
 
 def _cpu_model() -> str:

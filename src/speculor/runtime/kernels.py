@@ -1,16 +1,26 @@
-"""Faster CPU matmuls: the best fp32 kernel per block size for the target, int8 weights for the draft.
+"""Faster CPU matmuls holding each weight once: prepacked fp32 oneDNN weights for the target, int8 for the draft.
 
 A Linear's cost on the project CPU depends on the kernel far more than on the number of rows. Measured per
 matrix (ms; 8 distinct 1536->8960 weights in turn, so no cache help; 1 / 2 / 5 / 8 / 16 / 100 rows):
 nn.Linear (MKL) 4.5 / 9.2 / 20.7 / 26.3 / 27.5; MKL as W·xᵀ (its tall-skinny GEMM) 3.8 / 3.7 / 4.5 / 6.0 /
 13; oneDNN with W reordered once for batch size 1 (= `to_mkldnn`) 2.4 / 5.3 / 6.9 / 8.0 / 10.3 / 39;
 oneDNN with W reordered for batch size 16: 2.8 / 3.1 / 3.8 / 5.0 / 8.0 / 38 (for 2, 4 or 8 alike). One
-row at 2.4 ms reads the 55 MB at the machine's ~20 GB/s. `PackedLinear` therefore keeps both oneDNN
-copies: one row (a plain decoding step) through the first, any other block (a chain or tree to verify,
-a prefill) through the second. `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for one;
-both are fp32 arithmetic of the same weights, equal up to summation order. The model's parameters are
-untouched (the two copies are extra memory, twice the weights; the safetensors-mapped originals stay
-file-backed pages the OS may drop).
+row at 2.4 ms reads the 55 MB at the machine's ~20 GB/s.
+
+`PackedLinear` holds each weight once per layout and releases the fp32 original (it used to keep the fp32 weight
+too: 17.8 GiB resident for the 1.5B target with two layouts). Measured on the real target (issue #16; 3
+interleaved rounds in one process, median [min, max]; plain decoding tok/s, then the median ms of a 16-row and of
+a 5-row forward): two layouts 4.1 [2.8, 5.0], 326, 181; the 1-row layout only 4.8 [3.9, 5.2], 508, 356; the 16-row
+layout only 3.5 [2.9, 3.9], 443, 180; oneDNN on the unreordered fp32 weight 4.7 [3.8, 4.9], 561, 401; MKL's W·xᵀ
+2.7 [1.8, 2.7], 710, 536 (plain's spread is the machine's: the two-layout and the 1-row variants run the very same
+kernel for one row). No single layout serves both a plain decoding step and a block to verify: the default
+(LAYOUTS) keeps both, one row through the first and any other block through the second (~12 GiB for the pair);
+COMPACT keeps the 1-row layout only (~7 GiB; plain decoding as fast, blocks of 2+ rows ~1.5-2x slower per
+forward, so speculation pays less: `--kernels compact`). Every layout is fp32 arithmetic of the same weights,
+equal up to summation order, and a row's output does not depend on the other rows of its block (5 rows alone =
+the same rows inside 8, 16 or 40; measured). `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for
+one and frees the fp32 weight (a view of the mapped safetensors file also gives its pages back); the embedding
+table stays, the lookup needs it.
 
 The draft only proposes: any draft is lossless because q is whatever it computed. `Int8Linear` runs
 it with per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) through fbgemm's dynamically
@@ -19,67 +29,75 @@ quantized GEMM (activations quantized per call to 7-bit unsigned ints, prepacked
 0.27 / 0.65 / 1.1 ms for 1 / 4 / 8 rows against 0.84 / 1.3 / 2.5 ms with `aten._weight_int8pack_mm`
 (bf16 activations, the fallback where no fbgemm/x86 quantized engine exists) and ~4x that in fp32.
 
-Both keep the original fp32 weight, so `eager(model)` can switch a model back to plain nn.Linear
-arithmetic (used to run transformers' own generate as a peer with the models as the user gave them).
+Neither keeps the fp32 weight, so a packed model can no longer run plain nn.Linear arithmetic: transformers'
+generate (bench/peers.py) loads the untouched models again from disk for its call.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from bisect import bisect_left
+from collections import Counter
 
 import torch
-import torch.nn.functional as F
 
-MANY_ROWS = 16  # the batch size oneDNN lays the multi-row copy out for; it serves 2..128 rows alike (table above)
+from speculor.errors import SpeculorError
+from speculor.runtime.memory import drop_file_pages
+
+MANY_ROWS = 16  # the batch size of oneDNN's multi-row layout; it serves 2..128 rows alike (table above)
+LAYOUTS = (1, MANY_ROWS)  # one row (a plain decoding step) and any other block (measurements above)
+COMPACT = (1,)  # the least memory: plain decoding's layout alone
 
 
 class PackedLinear(torch.nn.Module):
-    """y = x Wᵀ + b through oneDNN's prepacked GEMM: one copy of W laid out for one row, one for many."""
+    """y = x Wᵀ + b through oneDNN's prepacked GEMM over copies of W laid out for the batch sizes `layouts`.
 
-    kernel = f"onednn 1 + {MANY_ROWS} rows"
+    A block of n rows runs through the copy of the smallest layout >= n (the largest one above them all): with
+    (1, 16) one row through the first and 2..128 rows through the second. The fp32 W itself is not kept.
+    """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, layouts: tuple[int, ...] = LAYOUTS) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters, shared
+        if not layouts or min(layouts) < 1:
+            raise SpeculorError(f"PackedLinear layouts must be batch sizes >= 1, got {layouts!r}")
+        self.bias = linear.bias  # the same Parameter (small), shared
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.enabled = True
+        self.layouts = tuple(sorted(set(layouts)))
+        self.kernel = "onednn " + " + ".join(map(str, self.layouts)) + " rows"
         with torch.no_grad():
             w = linear.weight.detach()
-            self.one = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-            self.many = torch.ops.mkldnn._reorder_linear_weight(w, MANY_ROWS)
+            self.copies = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for rows in self.layouts]
+
+    def copy_for(self, rows: int) -> int:
+        """Index of the copy a block of `rows` rows runs through: the smallest layout >= rows, else the largest."""
+        return min(bisect_left(self.layouts, rows), len(self.copies) - 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
-        packed = self.one if len(x2) == 1 else self.many
+        packed = self.copies[self.copy_for(len(x2))]
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(torch.nn.Module):
-    """y ≈ x (s·W8)ᵀ + b with int8 W8 [out, in] and per-row scales s [out] (a draft-only kernel)."""
+    """y ≈ x (s·W8)ᵀ + b with int8 W8 [out, in] and per-row scales s [out]: a draft-only kernel; W is not kept."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.enabled = True
         with torch.no_grad():
             w = linear.weight.detach().float()
             s = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-            w8 = torch.round(w / s[:, None]).clamp(-127, 127)
-            self.packed = _fbgemm_pack(w8.to(torch.int8), s, linear.bias)  # None: no fbgemm here
+            w8 = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+            del w
+            self.packed = _fbgemm_pack(w8, s, linear.bias)  # None: no fbgemm here
             self.kernel = "int8pack" if self.packed is None else "fbgemm"
             if self.packed is None:
-                self.register_buffer("w8", w8.to(torch.int8), persistent=False)
+                self.register_buffer("w8", w8, persistent=False)
                 self.register_buffer("scales", s.to(torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
         if self.packed is not None:  # reduce_range: 7-bit activations, so AVX2's int16 pair sums cannot saturate
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True).to(x.dtype)
@@ -111,33 +129,33 @@ def can_pack(model: torch.nn.Module) -> bool:
 
 
 def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLinear) -> int:
-    """Replace every nn.Linear of a CPU fp32 model by `kind` (PackedLinear or Int8Linear); returns the count."""
+    """Replace every nn.Linear of a CPU fp32 model by `kind` (PackedLinear or Int8Linear); returns the count.
+
+    Each Linear goes as soon as it is replaced, so its fp32 weight is freed then (unless something else holds it,
+    e.g. an input embedding tied to the output layer) and the peak is the model plus one matrix, not two models.
+    A weight that is a view of a mapped safetensors file has its pages unmapped (`memory.drop_file_pages`): they
+    would otherwise stay resident until the whole file is unmapped, which the kept embedding table prevents.
+    """
     if not can_pack(model):
         return 0
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(module, name, kind(child))
-                count += 1
-    return count
+    places = [(module, name) for module in model.modules() for name, child in module.named_children()
+              if type(child) is torch.nn.Linear]
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for module, name in places:
+        linear = getattr(module, name)
+        setattr(module, name, kind(linear))
+        if uses[id(linear.weight)] == 1:  # no other module reads it (a tied embedding would)
+            drop_file_pages(linear.weight)  # mapped from a safetensors file: its pages were read to pack it
+        del linear  # the old Linear's last reference (unless its weight is shared, e.g. tied to the embedding)
+    return len(places)
+
+
+def is_packed(model: torch.nn.Module) -> bool:
+    """True when pack_linears swapped some of the model's linears (their fp32 weights are gone)."""
+    return any(isinstance(m, (PackedLinear, Int8Linear)) for m in model.modules())
 
 
 def linear_kinds(model: torch.nn.Module) -> str:
     """Which matmul kernels a model runs (e.g. 'Int8Linear[fbgemm]' after pack_linears): they set its speed."""
     return ",".join(sorted({type(m).__name__ + (f"[{m.kernel}]" if hasattr(m, "kernel") else "")
                             for m in model.modules() if type(m).__name__.endswith("Linear")}))
-
-
-@contextmanager
-def eager(*models: torch.nn.Module | None) -> Iterator[None]:
-    """Run the models with plain nn.Linear arithmetic inside the block."""
-    fast = [m for model in models if model is not None for m in model.modules()
-            if isinstance(m, (PackedLinear, Int8Linear))]
-    for m in fast:
-        m.enabled = False
-    try:
-        yield
-    finally:
-        for m in fast:
-            m.enabled = True

@@ -4,6 +4,7 @@ must share the target's vocabulary; the fast CPU kernels are swapped in here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -12,7 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
-from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
+from speculor.runtime.draft_vocab import check_size as draft_vocab_check
+from speculor.runtime.draft_vocab import restrict_draft
+from speculor.runtime.kernels import COMPACT, LAYOUTS, Int8Linear, PackedLinear, pack_linears
+from speculor.runtime.lean import supports
 from speculor.runtime.model import Model
 
 
@@ -66,24 +70,37 @@ def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
 
 
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True) -> Pair:
+              dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True,
+              draft_vocab: int | None = None, lean_draft: bool = True, compact: bool = False) -> Pair:
     """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
 
-    packed: on a CPU in fp32, run the target's multi-row matmuls through prepacked oneDNN weights;
-    draft_int8: run the draft with int8 weights (kernels.py). Neither changes what is generated: the
-    target's arithmetic stays fp32, and the draft only proposes.
+    packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
+    draft with int8 weights (kernels.py). Either releases the fp32 weights it replaces (each weight is held once;
+    transformers' own generate then needs the models loaded again, bench/peers.py). Neither changes what is
+    generated: the target's arithmetic stays fp32, and the draft only proposes.
+    draft_vocab: N > 0 restricts the draft's head to the N most frequent tokens (FR-Spec, draft_vocab.py; exact
+    as any draft is, docs/algorithms.md §1.1); None or 0: the full vocabulary.
+    lean_draft: with int8 draft kernels, run the draft through lean.py's forward (Qwen2/Llama-style drafts; the same
+    logits, 4-17% less time a forward); compact: the target's weights in the one-row layout only (~7 GiB for the
+    embedded pair instead of ~12; verification blocks run slower, kernels.py).
     """
+    if draft_vocab:
+        if draft is None:
+            raise SpeculorError("--draft-vocab restricts the draft model's vocabulary: it needs a draft")
+        draft_vocab_check(draft_vocab)  # before the models are loaded
     target = embedded.DEFAULT_TARGET if target == "default" else target
     draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
     t_model, tokenizer = load_model(target, device=device, dtype=dtype)
     if packed:
-        pack_linears(t_model)
+        pack_linears(t_model, partial(PackedLinear, layouts=COMPACT if compact else LAYOUTS))
     t_lm = Model(t_model)
     d_lm = None
     if draft is not None:
         d_model, d_tok = load_model(draft, device=device, dtype=dtype)
         check_same_vocab(tokenizer, d_tok)
+        if draft_vocab:  # before packing, so that the subset's rows get the draft's kernel kind
+            restrict_draft(d_model, tokenizer, draft_vocab, t_lm.vocab_size)
         if packed or draft_int8:
             pack_linears(d_model, Int8Linear if draft_int8 else PackedLinear)
-        d_lm = Model(d_model, vocab_size=t_lm.vocab_size)
+        d_lm = Model(d_model, vocab_size=t_lm.vocab_size, lean=lean_draft and draft_int8 and supports(d_model))
     return Pair(t_lm, d_lm, tokenizer, target, draft or "")

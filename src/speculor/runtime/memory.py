@@ -8,6 +8,8 @@ the process's since it started, loading the models included.
 
 from __future__ import annotations
 
+import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -48,3 +50,43 @@ def _status_gib(key: str) -> float | None:
         return None
     line = next((ln for ln in status.splitlines() if ln.startswith(f"{key}:")), None)
     return int(line.split()[1]) / 2**20 if line else None
+
+
+def drop_file_pages(tensor: torch.Tensor) -> int:
+    """Take a tensor's pages out of the resident set when it is a view of a mapped safetensors file (transformers
+    maps the file and its weights are views of it); returns the bytes dropped (0 for any other memory).
+
+    madvise(MADV_DONTNEED) unmaps the pages; a later read faults them in again from the file. The mapping is private
+    (copy on write), so a value written in place since loading would read back as the file's: call it only for a
+    tensor nothing will read again (pack_linears: the fp32 weight it has just replaced, when no other module shares
+    it). Otherwise every page read while packing stays mapped (and counted) until the whole file is unmapped.
+    """
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous() or not _MAPS.exists():
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()  # the first element's address
+    stop = start + tensor.numel() * tensor.element_size()
+    if not _in_safetensors_mapping(start, stop):
+        return 0
+    lo, hi = -(-start // page) * page, stop // page * page  # whole pages inside the tensor only
+    if hi <= lo or _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo
+
+
+_MAPS = Path("/proc/self/maps")
+_MADV_DONTNEED = 4  # Linux
+
+
+def _in_safetensors_mapping(start: int, stop: int) -> bool:
+    """True when [start, stop) lies inside one mapping of a .safetensors file."""
+    for line in _MAPS.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= start < hi:
+            return stop <= hi and len(fields) == 6 and fields[5].strip().endswith(".safetensors")
+    return False
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -165,11 +166,16 @@ def _routes(app: FastAPI, srv: _Server) -> None:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": srv.model, "queue_depth": srv.scheduler.depth(),
                 "queue_size": srv.scheduler.queue_size, "running": srv.scheduler.size(),
-                "max_batch": srv.scheduler.max_batch}
+                "max_batch": srv.scheduler.max_batch, "peak_memory_gib": _finite(srv.metrics.peak_memory_gib())}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return srv.metrics.render()
+
+
+def _finite(x: float) -> float | None:
+    """x, or None (JSON null) for NaN: JSON has no NaN."""
+    return None if math.isnan(x) else x
 
 
 DEFAULT_STRATEGY = ("dyspec", {"budget": "auto"})  # batch-aware: sized from the cost curve for the running batch
@@ -187,7 +193,7 @@ def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, ma
     if strategy is None:
         strategy, options = DEFAULT_STRATEGY[0], {**DEFAULT_STRATEGY[1], **options}
     sp = Speculor(pair, strategy=strategy, **options)
-    metrics = Metrics()
+    metrics = Metrics(pair.target.device)
     srv = _Server(sp, Scheduler(sp, queue_size, metrics, max_batch), metrics, pair.target_name or "speculor")
 
     @asynccontextmanager

@@ -10,8 +10,11 @@ from __future__ import annotations
 import time
 
 import prometheus_client as prom
+import torch
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from speculor.runtime.memory import peak_memory_gib
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0)
@@ -20,8 +23,9 @@ TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.
 class Metrics:
     """Prometheus metrics of one app, in a registry of its own (several apps may live in one process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.registry = prom.CollectorRegistry()
+        self.device = device or torch.device("cpu")
         r = self.registry
         self.requests = prom.Counter("speculor_requests", "HTTP requests by endpoint and status",
                                      ["endpoint", "status"], registry=r)
@@ -44,6 +48,15 @@ class Metrics:
                                    "step", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.accept_length = prom.Histogram("speculor_accepted_length", "draft tokens accepted per request and step",
                                             registry=r, buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
+        self.peak_memory = prom.Gauge("speculor_peak_memory_gib", "peak memory of the server process since it "
+                                      "started, in GiB: resident set on a CPU, torch's allocator peak on a GPU (NaN "
+                                      "where the OS does not say)", registry=r)
+        self.peak_memory.set_function(self.peak_memory_gib)
+
+    def peak_memory_gib(self) -> float:
+        """The peak memory since the process started (runtime/memory.py), read at each scrape; NaN if unknown."""
+        peak = peak_memory_gib(self.device)
+        return float("nan") if peak is None else peak
 
     def observe_step(self, batch: int, rows: int, accepted: list[int]) -> None:
         """One batched step: its number of requests and target rows, and each request's accepted length."""
