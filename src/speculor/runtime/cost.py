@@ -102,15 +102,17 @@ def time_forwards(model: Model, sizes: Sequence[int], *, prefix: int = 200, repe
                   tick: Callable[[], object] | None = None) -> list[float]:
     """Median seconds of one `model.forward` over a block of n tokens after `prefix` committed tokens, per n.
 
-    The repeats run in rounds over all sizes (not back to back), so a burst of load from another process
-    spreads over sizes instead of inflating one. Uses a cache of its own; `tick()` after every forward.
+    Every size is run once untimed first; the repeats then run in rounds over all sizes (not back to back), so a
+    burst of load from another process spreads over sizes instead of inflating one. Uses a cache of its own;
+    `tick()` after every forward.
     """
     cache = model.new_cache()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, min(model.vocab_size, 1000), (prefix + max(sizes),), generator=g)
     model.forward(cache, tokens[:prefix])
     cache.keep(list(range(prefix)))
-    model.forward(cache, tokens[prefix:prefix + 2])  # warm-up
+    for n in sizes:  # warm-up: every block size once, untimed (a cold first forward made t(1) read 0.37 s > t(4))
+        model.forward(cache, tokens[prefix:prefix + n])
     times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for i, n in enumerate(sizes):
