@@ -13,14 +13,14 @@ from speculor.runtime.kernels import PackedLinear, can_pack, is_packed, pack_lin
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
-@pytest.mark.parametrize("layouts", [None, (1,), (16,), (1, 16)])
+@pytest.mark.parametrize("min_rows", [1, 5])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17])
-def test_packed_linear_matches_linear(rows: int, bias: bool, layouts: tuple[int, ...] | None) -> None:
+def test_packed_linear_matches_linear(rows: int, bias: bool, min_rows: int) -> None:
     torch.manual_seed(rows)
     lin = torch.nn.Linear(48, 80, bias=bias)
-    packed = PackedLinear(lin) if layouts is None else PackedLinear(lin, layouts)
-    assert not hasattr(packed, "weight") and len(packed.copies) == len(packed.layouts)
+    packed = PackedLinear(lin, min_rows=min_rows)
+    assert not hasattr(packed, "weight")
     x = torch.randn(1, rows, 48)
     with torch.inference_mode():
         ref, got = lin(x), packed(x)
@@ -28,17 +28,31 @@ def test_packed_linear_matches_linear(rows: int, bias: bool, layouts: tuple[int,
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_and_blocks_take_their_own_layout() -> None:
-    two, compact = PackedLinear(torch.nn.Linear(8, 8)), PackedLinear(torch.nn.Linear(8, 8), (1,))
-    assert two.layouts == (1, 16) and [two.copy_for(n) for n in (1, 2, 5, 16, 17, 200)] == [0, 1, 1, 1, 1, 1]
-    assert [compact.copy_for(n) for n in (1, 5, 40)] == [0, 0, 0]
+@pytest.mark.parametrize("shape", [(48, 80), (96, 40)])
+def test_a_rows_output_does_not_depend_on_its_block(shape: tuple[int, int]) -> None:
+    """Bitwise: a row alone (padded to min_rows), or inside a block of any size, gets the same output; so plain
+    decoding, a verification block and a batch of requests compute a token's logits alike."""
+    torch.manual_seed(0)
+    packed = PackedLinear(torch.nn.Linear(*shape))
+    x = torch.randn(40, shape[0])
+    with torch.inference_mode():
+        whole = packed(x)
+        for n in (1, 2, 4, 5, 6, 16, 17, 33):
+            assert torch.equal(packed(x[:n]), whole[:n]), n
+        for k in range(0, 40, 7):
+            assert torch.equal(packed(x[k:k + 1]), whole[k:k + 1]), k
 
 
-def test_packed_linear_refuses_bad_layouts() -> None:
-    with pytest.raises(SpeculorError, match="layouts"):
-        PackedLinear(torch.nn.Linear(4, 4), (0,))
-    with pytest.raises(SpeculorError, match="layouts"):
-        PackedLinear(torch.nn.Linear(4, 4), ())
+def test_padding_is_dropped_and_bad_sizes_refused() -> None:
+    lin = torch.nn.Linear(8, 3)
+    packed = PackedLinear(lin, min_rows=5)
+    with torch.inference_mode():
+        y = packed(torch.zeros(2, 8))
+    assert y.shape == (2, 3)  # the three zero rows added for the kernel are not returned
+    torch.testing.assert_close(y, lin.bias.detach().expand(2, 3))
+    for rows, min_rows in ((0, 5), (16, 0)):
+        with pytest.raises(SpeculorError, match="rows"):
+            PackedLinear(torch.nn.Linear(4, 4), rows, min_rows)
 
 
 def test_pack_linears_frees_the_fp32_weights_and_skips_non_fp32() -> None:
@@ -159,4 +173,26 @@ def test_weights_mapped_from_safetensors_give_their_pages_back(tmp_path) -> None
     with torch.inference_mode():
         ref = model(ids).logits
         assert pack_linears(loaded) == 2 * 7 + 1
+        torch.testing.assert_close(loaded(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_models_embedding_reads_back_after_packing_drops_its_pages(tmp_path) -> None:
+    """pack_linears unmaps a tied head's pages, which are the embedding table's: the lookups fault them in again
+    from the file, so the logits stay stock nn.Linear's."""
+    from transformers import AutoModelForCausalLM
+
+    from speculor.runtime import memory
+
+    model = _tiny_qwen2(True)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    table = loaded.get_input_embeddings().weight
+    if not memory._in_safetensors_mapping(table.data_ptr(), table.data_ptr() + table.nbytes):
+        pytest.skip("this transformers does not map safetensors files")
+    ids = torch.tensor([[3, 9, 27, 14, 5, 63]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        assert pack_linears(loaded) == 2 * 7 + 1
+        assert loaded.get_input_embeddings().weight is table
+        torch.testing.assert_close(table, model.get_input_embeddings().weight, rtol=0, atol=0)
         torch.testing.assert_close(loaded(ids).logits, ref, rtol=1e-5, atol=1e-5)

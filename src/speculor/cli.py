@@ -16,10 +16,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
     p.add_argument("--draft", default="default", help="draft model: 'default', a folder, a .gguf file, 'none'")
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--kernels", choices=("fast", "compact", "eager"), default="fast",
-                   help="fast: the target's matmuls through oneDNN weights prepacked for one row and for blocks, the "
-                   "draft with int8 weights and a lean forward, each fp32 weight released (CPU, fp32; ~12 GiB for the "
-                   "embedded pair); compact: the target's one-row layout only (~7 GiB; verification slower); eager: "
+    p.add_argument("--kernels", choices=("fast", "eager"), default="fast",
+                   help="fast: the target's matmuls through oneDNN weights prepacked once, the draft with int8 weights "
+                   "and a lean forward, each fp32 weight released (CPU, fp32; ~7 GiB for the embedded pair); eager: "
                    "plain nn.Linear for both (what the models do by themselves)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="FR-Spec: the draft proposes only the N most frequent tokens (a shipped list, special "

@@ -55,9 +55,9 @@ def load_pair_from_args(args: Args):
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     draft = None if args.draft == "none" else args.draft
     kernels = getattr(args, "kernels", "fast")
-    fast = kernels in ("fast", "compact")
+    fast = kernels == "fast"
     return load_pair(args.target, draft, device=args.device, dtype=dtype, packed=fast, draft_int8=fast,
-                     draft_vocab=getattr(args, "draft_vocab", None), compact=kernels == "compact")
+                     draft_vocab=getattr(args, "draft_vocab", None))
 
 
 def cmd_generate(args: Args) -> None:

@@ -7,20 +7,19 @@ nn.Linear (MKL) 4.5 / 9.2 / 20.7 / 26.3 / 27.5; MKL as W·xᵀ (its tall-skinny 
 oneDNN with W reordered for batch size 16: 2.8 / 3.1 / 3.8 / 5.0 / 8.0 / 38 (for 2, 4 or 8 alike). One
 row at 2.4 ms reads the 55 MB at the machine's ~20 GB/s.
 
-`PackedLinear` holds each weight once per layout and releases the fp32 original (it used to keep the fp32 weight
-too: 17.8 GiB resident for the 1.5B target with two layouts). Measured on the real target (issue #16; 3
-interleaved rounds in one process, median [min, max]; plain decoding tok/s, then the median ms of a 16-row and of
-a 5-row forward): two layouts 4.1 [2.8, 5.0], 326, 181; the 1-row layout only 4.8 [3.9, 5.2], 508, 356; the 16-row
-layout only 3.5 [2.9, 3.9], 443, 180; oneDNN on the unreordered fp32 weight 4.7 [3.8, 4.9], 561, 401; MKL's W·xᵀ
-2.7 [1.8, 2.7], 710, 536 (plain's spread is the machine's: the two-layout and the 1-row variants run the very same
-kernel for one row). No single layout serves both a plain decoding step and a block to verify: the default
-(LAYOUTS) keeps both, one row through the first and any other block through the second (~12 GiB for the pair);
-COMPACT keeps the 1-row layout only (~7 GiB; plain decoding as fast, blocks of 2+ rows ~1.5-2x slower per
-forward, so speculation pays less: `--kernels compact`). Every layout is fp32 arithmetic of the same weights,
-equal up to summation order, and a row's output does not depend on the other rows of its block (5 rows alone =
-the same rows inside 8, 16 or 40; measured). `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for
-one and frees the fp32 weight (a view of the mapped safetensors file also gives its pages back); the embedding
-table stays, the lookup needs it.
+`PackedLinear` holds each weight once, in oneDNN's multi-row layout, and releases the fp32 original. A block of
+fewer than MIN_ROWS rows is padded with zero rows to MIN_ROWS: that layout's kernel is slow for 1-4 rows and at its
+best for 5-6 (per matrix, ms, 1 row in the 1-row layout / 1, 4, 5, 6, 16 rows in the 16-row layout: gate/up 2.07 /
+2.62, 2.28, 2.20, 2.41, 2.90; down 1.90 / 2.01, 1.74, 1.65, 1.40, 2.62; q/o 0.32 / 0.37, 0.28, 0.28, 0.26, 0.47;
+lm_head 29.9 / 33.4, 26.3, -, 25.6, 49.3). On the real target, 3 interleaved rounds in one process, 2 prompts x 64
+greedy tokens, decode tok/s: one row through a 1-row layout (the former default, which kept a second copy of every
+weight for it) 4.00 [3.60, 4.52]; the 16-row layout alone, unpadded 3.89 [3.85, 4.22], padded to 6 rows 5.10
+[3.85, 5.15], padded to 5 rows 5.30 [4.76, 5.48]; the same tokens from all four. So one copy is both the fastest
+and the smallest: ~7 GiB for the embedded pair where the two layouts took ~12.
+Every block is fp32 arithmetic of the same weights, equal to nn.Linear up to summation order, and a row's output
+does not depend on the other rows of its block (tests/test_kernels.py), so a padded row is the row alone.
+`pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for one and frees the fp32 weight (a view of the
+mapped safetensors file also gives its pages back); the embedding table stays, the lookup needs it.
 
 The draft only proposes: any draft is lossless because q is whatever it computed. `Int8Linear` runs
 it with per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) through fbgemm's dynamically
@@ -36,47 +35,40 @@ generate (bench/peers.py) loads the untouched models again from disk for its cal
 from __future__ import annotations
 
 import warnings
-from bisect import bisect_left
-from collections import Counter
 
 import torch
 
 from speculor.errors import SpeculorError
 from speculor.runtime.memory import drop_file_pages
 
-MANY_ROWS = 16  # the batch size of oneDNN's multi-row layout; it serves 2..128 rows alike (table above)
-LAYOUTS = (1, MANY_ROWS)  # one row (a plain decoding step) and any other block (measurements above)
-COMPACT = (1,)  # the least memory: plain decoding's layout alone
+MANY_ROWS = 16  # the batch size oneDNN lays the weight out for (2, 4 or 8 give the same layout)
+MIN_ROWS = 5  # blocks of fewer rows are padded to this many: the kernel is faster for 5 rows than for 1 (above)
 
 
 class PackedLinear(torch.nn.Module):
-    """y = x Wᵀ + b through oneDNN's prepacked GEMM over copies of W laid out for the batch sizes `layouts`.
+    """y = x Wᵀ + b through oneDNN's GEMM over W prepacked once for blocks of `rows` rows; the fp32 W is not kept.
 
-    A block of n rows runs through the copy of the smallest layout >= n (the largest one above them all): with
-    (1, 16) one row through the first and 2..128 rows through the second. The fp32 W itself is not kept.
+    A block of fewer than `min_rows` rows runs padded with zero rows to `min_rows` (their outputs dropped).
     """
 
-    def __init__(self, linear: torch.nn.Linear, layouts: tuple[int, ...] = LAYOUTS) -> None:
+    def __init__(self, linear: torch.nn.Linear, rows: int = MANY_ROWS, min_rows: int = MIN_ROWS) -> None:
         super().__init__()
-        if not layouts or min(layouts) < 1:
-            raise SpeculorError(f"PackedLinear layouts must be batch sizes >= 1, got {layouts!r}")
+        if rows < 1 or min_rows < 1:
+            raise SpeculorError(f"PackedLinear needs rows >= 1 and min_rows >= 1, got {rows}, {min_rows}")
         self.bias = linear.bias  # the same Parameter (small), shared
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.layouts = tuple(sorted(set(layouts)))
-        self.kernel = "onednn " + " + ".join(map(str, self.layouts)) + " rows"
+        self.min_rows = min_rows
+        self.kernel = f"onednn {rows} rows"
         with torch.no_grad():
-            w = linear.weight.detach()
-            self.copies = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for rows in self.layouts]
-
-    def copy_for(self, rows: int) -> int:
-        """Index of the copy a block of `rows` rows runs through: the smallest layout >= rows, else the largest."""
-        return min(bisect_left(self.layouts, rows), len(self.copies) - 1)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        packed = self.copies[self.copy_for(len(x2))]
-        y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        n = len(x2)
+        if n < self.min_rows:
+            x2 = torch.cat([x2, x2.new_zeros(self.min_rows - n, self.in_features)])
+        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
+        return y[:n].reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(torch.nn.Module):
@@ -134,18 +126,18 @@ def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLin
     Each Linear goes as soon as it is replaced, so its fp32 weight is freed then (unless something else holds it,
     e.g. an input embedding tied to the output layer) and the peak is the model plus one matrix, not two models.
     A weight that is a view of a mapped safetensors file has its pages unmapped (`memory.drop_file_pages`): they
-    would otherwise stay resident until the whole file is unmapped, which the kept embedding table prevents.
+    would otherwise stay resident until the whole file is unmapped, which the kept embedding table prevents. A tied
+    head's weight is the embedding table: packing read all of it, the lookups read a few rows a step, so its pages go
+    too and fault in again from the file row by row (0.9 GiB for the embedded target).
     """
     if not can_pack(model):
         return 0
     places = [(module, name) for module in model.modules() for name, child in module.named_children()
               if type(child) is torch.nn.Linear]
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module, name in places:
         linear = getattr(module, name)
         setattr(module, name, kind(linear))
-        if uses[id(linear.weight)] == 1:  # no other module reads it (a tied embedding would)
-            drop_file_pages(linear.weight)  # mapped from a safetensors file: its pages were read to pack it
+        drop_file_pages(linear.weight)  # mapped from a safetensors file: its pages were read to pack it
         del linear  # the old Linear's last reference (unless its weight is shared, e.g. tied to the embedding)
     return len(places)
 

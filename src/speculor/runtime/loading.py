@@ -4,7 +4,6 @@ must share the target's vocabulary; the fast CPU kernels are swapped in here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from speculor.errors import SpeculorError
 from speculor.runtime import embedded
 from speculor.runtime.draft_vocab import check_size as draft_vocab_check
 from speculor.runtime.draft_vocab import restrict_draft
-from speculor.runtime.kernels import COMPACT, LAYOUTS, Int8Linear, PackedLinear, pack_linears
+from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
 from speculor.runtime.lean import supports
 from speculor.runtime.model import Model
 
@@ -71,7 +70,7 @@ def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
 
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
               dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True,
-              draft_vocab: int | None = None, lean_draft: bool = True, compact: bool = False) -> Pair:
+              draft_vocab: int | None = None, lean_draft: bool = True) -> Pair:
     """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
@@ -81,8 +80,7 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     draft_vocab: N > 0 restricts the draft's head to the N most frequent tokens (FR-Spec, draft_vocab.py; exact
     as any draft is, docs/algorithms.md §1.1); None or 0: the full vocabulary.
     lean_draft: with int8 draft kernels, run the draft through lean.py's forward (Qwen2/Llama-style drafts; the same
-    logits, 4-17% less time a forward); compact: the target's weights in the one-row layout only (~7 GiB for the
-    embedded pair instead of ~12; verification blocks run slower, kernels.py).
+    logits, 4-17% less time a forward).
     """
     if draft_vocab:
         if draft is None:
@@ -92,7 +90,7 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
     t_model, tokenizer = load_model(target, device=device, dtype=dtype)
     if packed:
-        pack_linears(t_model, partial(PackedLinear, layouts=COMPACT if compact else LAYOUTS))
+        pack_linears(t_model, PackedLinear)
     t_lm = Model(t_model)
     d_lm = None
     if draft is not None:

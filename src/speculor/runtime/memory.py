@@ -58,8 +58,9 @@ def drop_file_pages(tensor: torch.Tensor) -> int:
 
     madvise(MADV_DONTNEED) unmaps the pages; a later read faults them in again from the file. The mapping is private
     (copy on write), so a value written in place since loading would read back as the file's: call it only for a
-    tensor nothing will read again (pack_linears: the fp32 weight it has just replaced, when no other module shares
-    it). Otherwise every page read while packing stays mapped (and counted) until the whole file is unmapped.
+    tensor nothing has written (pack_linears: the fp32 weight it has just replaced, or the embedding table tied to
+    it, which lookups only read). Otherwise every page read while packing stays mapped (and counted) until the
+    whole file is unmapped.
     """
     if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous() or not _MAPS.exists():
         return 0
