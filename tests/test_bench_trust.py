@@ -216,3 +216,15 @@ def test_one_prompt_moving_is_not_a_drift_of_the_rounds() -> None:
             r["wall_s"] *= 1.3 if r["prompt_id"] == "p1" else 0.75
     summary, warnings = _summary(recs)
     assert summary["plain"]["warnings"] == []
+
+
+def test_a_drift_of_decoding_alone_is_told_apart_from_one_of_the_whole_cpu() -> None:
+    """Plain 40% slower in round 2: with its prompt prefill as fast as ever, the warning says memory bandwidth varied
+    (decoding reads every weight per token, prefill is compute-bound); with the prefill as slow, it does not."""
+    for prefill_slow, hinted in ((1.0, True), (1.4, False)):
+        recs = _quiet_run(plain_slow_round=1)
+        for r in recs:
+            r["prefill_s"] = 0.5 * (prefill_slow if r["strategy"] == "plain" and r["round"] == 1 else 1.0)
+        drift = _summary(recs)[0]["plain"]["warnings"]
+        assert len(drift) == 1 and "40%" in drift[0]
+        assert ("memory bandwidth" in drift[0] and "prefill moved only 0%" in drift[0]) == hinted

@@ -14,7 +14,7 @@ from test_engine_toy import PROMPT, N, goodness_of_fit
 from test_tree_drafting import PROMPTS, reference_greedy
 from test_tree_drafting import draft as draft  # noqa: F401  (fixtures)
 from test_tree_drafting import target as target  # noqa: F401
-from toy import exact_law, random_toy
+from toy import Watched, exact_law, random_toy
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import speculor.core.verify
@@ -41,26 +41,15 @@ def restricted(model: Qwen2ForCausalLM, ids: torch.Tensor = SUBSET, kind=None) -
     return out
 
 
-class Recording:
-    """Wraps a drafter and keeps every proposed tree."""
+class Recording(Watched):
+    """Keeps every proposed tree."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.trees = inner, []
+        super().__init__(inner)
+        self.trees = []
 
-    @property
-    def forwards(self) -> int:
-        return self.inner.forwards
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def propose(self, seq, cfg, generator):
-        tree = self.inner.propose(seq, cfg, generator)
+    def seen(self, seq, cfg, tree) -> None:
         self.trees.append(tree)
-        return tree
-
-    def observe(self, n_committed, verdict):
-        self.inner.observe(n_committed, verdict)
 
 
 DRAFTERS = {

@@ -11,6 +11,7 @@ from test_tree_drafting import PROMPTS, reference_greedy, reference_logits, tiny
 from test_tree_drafting import draft as draft  # noqa: F401  (fixtures)
 from test_tree_drafting import pair as pair  # noqa: F401
 from test_tree_drafting import target as target  # noqa: F401
+from toy import Watched
 
 from speculor import Model, SamplingConfig, Speculor, SpeculorError, engine
 from speculor.core.tree import path_to
@@ -21,23 +22,16 @@ from speculor.drafters.topk_tree import TopkOptions, TopkTreeDrafter
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Checked:
-    """Wraps a drafter; after every proposal checks its draft numbers against plain forwards of the draft model
-    over each parent's root path: dyspec's q rows (log q = log_softmax(logits / T)), topk-tree's value increments
+class Checked(Watched):
+    """After every proposal checks the draft numbers against plain forwards of the draft model over each parent's
+    root path: dyspec's q rows (log q = log_softmax(logits / T)), topk-tree's value increments
     (log_softmax(logits), untempered)."""
 
     def __init__(self, inner, model) -> None:
-        self.inner, self.model, self.proposals = inner, model, 0
+        super().__init__(inner)
+        self.model = model
 
-    @property
-    def forwards(self) -> int:
-        return self.inner.forwards
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def propose(self, seq, cfg, generator):
-        tree = self.inner.propose(seq, cfg, generator)
+    def seen(self, seq, cfg, tree) -> None:
         for i in range(len(tree)):
             parent = int(tree.parents[i])
             above = [int(tree.tokens[j]) for j in path_to(tree.parents, parent)]
@@ -49,11 +43,6 @@ class Checked:
                 base = self.inner.values[parent] if parent >= 0 else 0.0
                 diff = abs(self.inner.values[i] - base - float(want[tree.tokens[i]]))
             assert diff < 1e-4, f"node {i}: max abs diff {diff:.2e}"
-        self.proposals += 1
-        return tree
-
-    def observe(self, n_committed, verdict):
-        self.inner.observe(n_committed, verdict)
 
 
 @pytest.mark.parametrize(("make", "temperature"), [

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from tokenizers import Tokenizer, models
+from toy import Watched
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine
@@ -108,22 +109,15 @@ def test_plain_forward_drops_the_pending_region(target):
 # ---------------------------------------------------------------- TreeDrafter
 
 
-class Checked:
-    """Wraps a TreeDrafter: checks every proposal's q rows against plain forwards of the draft over each parent's
-    root path (T = 1, so log q = log_softmax(logits)) and counts draft forwards."""
+class Checked(Watched):
+    """Checks every proposal of a TreeDrafter: its q rows against plain forwards of the draft over each parent's
+    root path (T = 1, so log q = log_softmax(logits)), and one draft forward per depth."""
 
     def __init__(self, inner: TreeDrafter, draft) -> None:
-        self.inner, self.draft, self.proposals = inner, draft, 0
+        super().__init__(inner)
+        self.draft = draft
 
-    @property
-    def forwards(self) -> int:
-        return self.inner.forwards
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def propose(self, seq, cfg, generator):
-        tree = self.inner.propose(seq, cfg, generator)
+    def seen(self, seq, cfg, tree) -> None:
         assert self.inner.forwards == len(self.inner.levels)  # one draft forward per depth
         for i in range(len(tree)):
             above = [int(tree.tokens[j]) for j in path_to(tree.parents, int(tree.parents[i]))]
@@ -131,11 +125,6 @@ class Checked:
             diff = (torch.log(tree.q[i]) - want).abs().max()
             assert diff < 1e-4, f"node {i}: max abs diff of log q {diff:.2e}"
             assert tree.q[i, tree.tokens[i]] > 0
-        self.proposals += 1
-        return tree
-
-    def observe(self, n_committed, verdict):
-        self.inner.observe(n_committed, verdict)
 
 
 @pytest.mark.parametrize("draw", ["iid", "swor"])

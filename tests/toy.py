@@ -166,3 +166,30 @@ def plain_greedy(model: ToyLM, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         seq.append(greedy(model.next_logits(seq)))
     return seq[len(prompt):]
+
+
+class Watched:
+    """A drafter wrapped for a test: proposes through `inner`, then hands each tree to `seen(seq, cfg, tree)` (a
+    subclass records or checks it there); everything else is the inner drafter's."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.proposals = inner, 0
+
+    @property
+    def forwards(self) -> int:
+        return self.inner.forwards
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def propose(self, seq, cfg, generator):
+        tree = self.inner.propose(seq, cfg, generator)
+        self.seen(seq, cfg, tree)
+        self.proposals += 1
+        return tree
+
+    def seen(self, seq, cfg, tree) -> None:
+        pass
+
+    def observe(self, n_committed, verdict) -> None:
+        self.inner.observe(n_committed, verdict)

@@ -2,7 +2,8 @@
 
 Warnings (each names the strategies, rounds and prompts it concerns):
 - other processes kept more than DISTURBED_CORES cores busy when the run started, or during a generation;
-- plain decoding's tokens/s moved more than PLAIN_DRIFT between rounds (the prompts that moved most are named);
+- plain decoding's tokens/s moved more than PLAIN_DRIFT between rounds (the prompts that moved most are named, and
+  whether its compute-bound prefill held steady meanwhile: then memory bandwidth varied, not our CPU share);
 - a strategy's speedup above its τ in some round: every step costs at least one target forward, so speedup ≤ τ ·
   t_target(1) / min_n t_target(n) (the cost profile's cheapest block, n up to the strategy's largest tree + 1;
   where a block of a few rows costs no more than one row, the bound is τ itself) unless plain was measured slow;
@@ -130,7 +131,19 @@ def _plain_drift(base: list[dict[str, Any]], temp: float) -> str | None:
         return None
     per_round = ", ".join(f"round {r + 1} {v:.2f}" for r, v in tps.items())
     return (f"plain at T={temp}: tokens/s moved {drift:.0%} between rounds ({per_round})"
-            + (f"; prompts moving more than {PLAIN_DRIFT:.0%}: {', '.join(prompts)}" if prompts else ""))
+            + (f"; prompts moving more than {PLAIN_DRIFT:.0%}: {', '.join(prompts)}" if prompts else "")
+            + _bandwidth_hint(rounds, drift))
+
+
+def _bandwidth_hint(rounds: dict[int, list[dict[str, Any]]], drift: float) -> str:
+    """Where plain's prompt prefill (compute-bound: many rows a matmul) held steady while its decoding (memory-bound:
+    every weight read per token) moved, the CPU was ours and the memory bandwidth was not: something outside this
+    machine's process list, e.g. another tenant of the host, which /proc/stat cannot see."""
+    prefill = [sum(r.get("prefill_s") or 0.0 for r in rs) for rs in rounds.values()]
+    if min(prefill) <= 0 or max(prefill) / min(prefill) - 1 > drift / 2:
+        return ""
+    return (f"; its compute-bound prompt prefill moved only {max(prefill) / min(prefill) - 1:.0%}: the memory "
+            f"bandwidth decoding needs varied, not this process's CPU (another tenant of the host?)")
 
 
 def _above_tau(label: str, temp: float, rows: list[dict[str, Any]], base: list[dict[str, Any]],

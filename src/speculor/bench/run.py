@@ -140,6 +140,7 @@ def run(args: Any, load_pair) -> dict[str, Any]:
     _warm_up(sp, specs, encoded[0][:WARM_UP_TOKENS])
     if getattr(args, "batch", None):
         return _run_batched(args, sp, [s for s in specs if s.name not in PEERS], prompts, encoded)
+    setup_peak = peak_memory_gib(sp.pair.target.device)  # loading, packing, profiling, warm-up: before any reset
     records = _run_rounds(sp, specs, prompts, encoded, temps, args)
     for temp in temps:
         if temp == 0:
@@ -148,11 +149,14 @@ def run(args: Any, load_pair) -> dict[str, Any]:
     warnings = start_warnings(load) + check(summary, records, temps, _cost(sp))
     print(format_table(summary))
     notes = [QUICK_NOTE] if args.quick else []
+    if setup_peak is not None:
+        notes.append(f"peak memory before the first generation (loading, packing, profiling, warm-up): "
+                     f"{setup_peak:.1f} GiB; per generation: the table's peak column")
     for line in notes + [f"warning: {w}" for w in warnings]:
         print(line)
     if args.out:
         _write(Path(args.out), records, summary, args, extra={"_warnings": warnings, "_notes": notes,
-                                                              "_machine": load})
+                                                              "_machine": load, "_setup_peak_gib": setup_peak})
         if getattr(args, "format", None) == "spec-bench":
             from speculor.bench import specbench
 

@@ -48,8 +48,8 @@ class Model:
     def forward(self, cache: KVCache, tokens: torch.Tensor | list[int], parents: torch.Tensor | None = None,
                 hidden: bool = False, *, append: bool = False,
                 last: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, V] (fp32) for a block of n tokens after the cache's committed entries ([1, V], the last
-        row's, with last=True: the vocabulary projection, 1/7 of the target's flops, is then made for one row).
+        """Logits [n, V] (fp32, on the host) for a block of n tokens after the cache's committed entries ([1, V], the
+        last row's, with last=True: the vocabulary projection, 1/7 of the target's flops, is then made for one row).
 
         The block's rows become pending entries b..b+n-1 of the pending region, where b = 0 (the region is
         emptied first) unless append=True (b = entries already pending). parents[i] is the region index of
@@ -123,9 +123,14 @@ def _open(cache: KVCache, tokens: torch.Tensor | list[int], parents: torch.Tenso
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Cut or pad (with -inf, i.e. zero probability) the last dimension to `vocab_size`."""
+    """The logits on the host, the last dimension cut or padded (with -inf, i.e. zero probability) to `vocab_size`.
+
+    Verification, sampling and every drafter's choice run on the host, with each request's CPU generator, over this
+    one copy per forward: on a GPU that is one transfer a forward, not a sync for every token read (a no-op on CPU).
+    """
     v = logits.shape[-1]
+    logits = logits[..., :vocab_size].cpu()
     if v >= vocab_size:
-        return logits[..., :vocab_size]
+        return logits
     pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
