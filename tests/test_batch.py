@@ -166,7 +166,7 @@ FLAT = CostModel((1, 2, 64), (0.30, 0.33, 2.0), (1, 64), (0.06, 0.2))  # target 
 
 def test_worth_in_a_batch_charges_the_whole_batch():
     assert worth(FLAT, 0, 0.0, 0.0, 0.8, 1, 0.06)  # alone: a likely draft token pays for itself
-    crowd = BatchLedger(rows=15, tokens=15.0, draft_s=0.0, pending=0)
+    crowd = BatchLedger(rows=15, tokens=15.0, pending=0)
     assert not worth(FLAT, 0, 0.0, 0.0, 0.8, 1, 0.06, crowd)  # 15 others decoding plainly: it does not
     assert not worth(FLAT, 0, 0.0, 0.0, 0.8, 1, 0.06, BatchLedger(pending=15))  # first of 16: the rest count too
     assert worth(FLAT, 0, 0.0, 0.0, 0.8, 1, 0.06, BatchLedger())  # an empty ledger is the single-request rule

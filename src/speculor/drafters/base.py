@@ -56,14 +56,29 @@ class Strategy(Protocol):
 
 @dataclass
 class BatchLedger:
-    """What the requests that proposed before this one in a batched step commit the batch to: target rows (1 + tree
-    size each), expected tokens (1 + Σ node values each, 1 where unknown) and draft seconds; `pending` = requests
-    still to propose (a root row each). A batch-aware drafter (`batch_aware = True`) gets it as `ledger`."""
+    """What the other requests of a batched step commit the batch to, as one batch-aware drafter (`batch_aware =
+    True`, given it as `ledger`) sees it: target rows (1 + tree size each, a prompt chunk's rows), expected tokens
+    (1 + Σ node values each, 1 where unknown), their rows in each of the step's batched draft forwards, and
+    `pending` requests counted as a root row and a token each. The batched engine hands out a live one
+    (engine/drafting.py `Seat`) that the drafter tells how far its own tree has grown (`publish`); this one is fixed.
+    """
 
     rows: int = 0
     tokens: float = 0.0
-    draft_s: float = 0.0
+    draft_rows: Sequence[int] = ()
     pending: int = 0
+
+    def publish(self, rows: int, tokens: float) -> None:
+        """The drafter's own tree so far: `rows` target rows (root included), `tokens` expected tokens."""
+
+    def draft_s(self, t_draft: Callable[[int], float]) -> float:
+        """Seconds of the others' draft forwards, t_draft(rows) each."""
+        return sum(t_draft(r) for r in self.draft_rows if r > 0)
+
+    def draft_cost(self, t_draft: Callable[[int], float], forward: int, rows: int) -> float:
+        """What `rows` more rows in the step's draft forward number `forward` (0-based) add to the draft time."""
+        others = self.draft_rows[forward] if forward < len(self.draft_rows) else 0
+        return t_draft(others + rows) - (t_draft(others) if others else 0.0)
 
 
 @dataclass(frozen=True)

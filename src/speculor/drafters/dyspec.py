@@ -103,7 +103,8 @@ def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float
     one more row must pay for the whole batch's forward growing, and at high load nothing does. A request still to
     propose counts as its root: one row, one token.
     """
-    t_o, d_o, r_o = ((batch.tokens + batch.pending, batch.draft_s, batch.rows + batch.pending) if batch is not None
+    t_o, d_o, r_o = ((batch.tokens + batch.pending, batch.draft_s(cost.t_draft), batch.rows + batch.pending)
+                     if batch is not None
                      else (0.0, 0.0, 0))
     now = (t_o + 1 + value_sum) / (d_o + draft_s + cost.t_target(r_o + n + 1))
     then = (t_o + 1 + value_sum + gain) / (d_o + draft_s + extra_draft_s + cost.t_target(r_o + n + extra_nodes + 1))
@@ -257,9 +258,9 @@ class DySpecDrafter:
             self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
             self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
             return EMPTY
+        g = Growth(draft_s=self._t_draft(1, 0))
         logits = catch_up(self.model, self.cache, seq)
         self.forwards = 1
-        g = Growth(draft_s=self._t_draft(1))
         root = Slot(1.0, 0)
         root.fill(value_distribution(logits, cfg, self.opts.temperature))
         if self.opts.variant == "heap":
@@ -269,6 +270,7 @@ class DySpecDrafter:
         self.rows, self.values, self.draw_values = g.rows, g.values, g.draw_values
         self.expected_tokens = 1 + sum(g.values)
         self.stats = {"nodes": len(g), "value_sum": sum(g.values), "fed_rows": len(g.rows), "threshold": self.t}
+        self._publish(g)
         if self.opts.adaptive:
             self.t = steer(self.t, len(g), self.opts.cap)
         return g.tree(cfg.greedy)
@@ -284,7 +286,7 @@ class DySpecDrafter:
     def _speculation_pays(self) -> bool:
         """In a batch: is a first draft token (catch-up forward included) worth its rows to the batch, at the rate
         first tokens were accepted so far? When not, the request decodes plainly this step."""
-        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1, self._t_draft(1), self.ledger)
+        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1, self._t_draft(1, 0), self.ledger)
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
@@ -349,15 +351,26 @@ class DySpecDrafter:
     def _fetch(self, g: Growth, nodes: list[int], slots: dict[int, Slot], cfg: SamplingConfig) -> None:
         """One batched draft forward over `nodes` (each a drafted node whose parent was fed): their q."""
         parent_rows = [g.rows.get(g.parents[n], -1) for n in nodes]
+        g.draft_s += self._t_draft(len(nodes))
+        self._publish(g)  # in a batch the other requests take their turns while this forward waits for theirs
         logits, rows = feed(self.model, self.cache, [g.tokens[n] for n in nodes], parent_rows)
         self.forwards += 1
-        g.draft_s += self._t_draft(len(nodes))
         for i, n in enumerate(nodes):
             g.rows[n] = rows[i]
             slots[n].fill(value_distribution(logits[i], cfg, self.opts.temperature))
 
-    def _t_draft(self, rows: int) -> float:
-        return self.cost.t_draft(rows) if self.cost is not None else 0.0
+    def _t_draft(self, rows: int, forward: int | None = None) -> float:
+        """Estimated seconds `rows` rows add to the step's draft forward number `forward` (default: the next):
+        t_draft(rows) alone; in a batch, what they add to the forward shared with the other requests' rows."""
+        if self.cost is None:
+            return 0.0
+        if self.ledger is None:
+            return self.cost.t_draft(rows)
+        return self.ledger.draft_cost(self.cost.t_draft, self.forwards if forward is None else forward, rows)
+
+    def _publish(self, g: Growth) -> None:
+        if self.ledger is not None:
+            self.ledger.publish(1 + len(g), 1 + sum(g.values))
 
     def _draw_pays(self, g: Growth, slot: Slot) -> bool:
         """auto: is the next draw worth its target time? Its expected value is known before the draw (with an

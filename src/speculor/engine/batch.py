@@ -1,7 +1,8 @@
 """Batched decoding: every active request proposes its own tree, ONE target forward verifies all of them, and each
 request is verified, compacted and streamed on its own (docs/algorithms.md §11).
 
-    for each request i:  tree_i = drafter_i.propose(seq_i)           (its own draft cache and generator)
+    trees = propose_all(requests)                                     (engine/drafting.py: each request's
+                                                                      propose, draft forwards batched by round)
     target.forward_batch([(cache_i, [root_i] + tree_i) for i])       (stacked rows, attention per request)
     for each request i:  verdict_i = verify(tree_i, p_i, generator_i); cache_i.keep(root + path_i); observe
 
@@ -9,8 +10,8 @@ A request's rows meet other requests' rows only in the linear layers, whose per-
 the other rows (runtime/batched.py), and its random numbers come from its own generator: its output is what it
 would emit alone with the same trees. Requests join (`start`; with prefill=False their prompts are filled chunk by
 chunk inside the steps) and leave (`done`) between steps. A drafter that sizes its tree for the batch
-(`batch_aware`) is told, before it proposes, what the requests before it in the step have already drafted, the
-prompt chunks included (`BatchLedger`).
+(`batch_aware`) sees, while it proposes, what the other requests of the step have drafted so far, the prompt chunks
+included (`drafting.Seat`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from speculor.config import SamplingConfig
-from speculor.drafters.base import BatchLedger, Drafter
-from speculor.engine.loop import Request, Stats, Token, block, emit, propose, record, settle, start
+from speculor.drafters.base import Drafter
+from speculor.engine.drafting import Book, propose_all
+from speculor.engine.loop import Request, Stats, Token, block, emit, record, settle, start
 from speculor.runtime.model import Model
 
 
@@ -47,19 +49,9 @@ def step(target: Model, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -> 
     filling = [a for a in batch if a.req.unfilled]
     chunks = {id(a): _chunk(a.req, chunk) for a in filling}
     decoding = [a for a in batch if not a.req.unfilled]
-    trees, draft_s = [], []
-    ledger = BatchLedger(rows=sum(len(c) for c in chunks.values()), pending=len(decoding))
-    for a in decoding:
-        ledger.pending -= 1
-        drafter = a.req.drafter
-        if drafter is not None and getattr(drafter, "batch_aware", False):
-            drafter.ledger = ledger
-        t = time.perf_counter()
-        trees.append(propose(a.req))
-        draft_s.append(time.perf_counter() - t)
-        ledger.rows += 1 + len(trees[-1])
-        ledger.tokens += float(getattr(drafter, "expected_tokens", 1.0))
-        ledger.draft_s += draft_s[-1]
+    book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
+    trees, draft_s = propose_all([a.req for a in decoding], book)
+    share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
     blocks = [(a.req.cache, chunks[id(a)], None) for a in filling]
     t1 = time.perf_counter()
     all_logits = target.forward_batch(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
@@ -71,10 +63,11 @@ def step(target: Model, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -> 
         a.req.unfilled -= n
         a.req.stats.prefill_s += t2 - t1
         emitted[id(a)] = []
-    for a, tree, logits, d_s in zip(decoding, trees, all_logits[len(filling):], draft_s, strict=True):
+    for a, tree, logits in zip(decoding, trees, all_logits[len(filling):], strict=True):
         t = time.perf_counter()
         verdict = settle(a.req, tree, logits)
         emitted[id(a)], a.done = emit(a.req, tree, verdict, a.eos_ids)
+        d_s = share if a.req.drafter is not None else 0.0
         a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, t2 - t1, time.perf_counter() - t))
     return [emitted[id(a)] for a in batch]
 

@@ -114,8 +114,11 @@ def stream(target: Model, drafter: Drafter | None, prompt: list[int], cfg: Sampl
 
 
 def propose(req: Request) -> DraftTree:
-    """The request's draft tree after its sequence (the empty tree for plain decoding)."""
-    return req.drafter.propose(req.seq, req.cfg, req.generator) if req.drafter is not None else EMPTY
+    """The request's draft tree after its sequence (the empty tree for plain decoding), drafted with the kernels a
+    batched step gives it (engine/drafting.py), so a seed gives the same output alone and in a batch."""
+    from speculor.engine.drafting import propose_all  # drafting builds on this module's Request
+
+    return propose_all([req])[0][0] if req.drafter is not None else EMPTY
 
 
 def block(req: Request, tree: DraftTree) -> tuple[KVCache, torch.Tensor, torch.Tensor]:

@@ -12,6 +12,8 @@ wires them, one function per stage:
                   x = x + MLP(RMSNorm(x))
     logits = lm_head(RMSNorm(x))                                  [n, V] (or the last row's, [1, V])
 
+Several requests' blocks can share one forward (`LeanDecoder.forward`, as the target's `forward_batch` does): their
+rows are stacked for the linear layers, and each block's attention reads its own cache with its own mask.
 Grouped-query attention runs on the key/value heads without copying them: the `rep` query heads that share a
 key/value head are stacked along the query axis (rows r·n + i), with the mask repeated the same way. It is used for
 the draft only (`Model(..., lean=True)`): the draft only proposes, so any forward that computes its logits keeps
@@ -21,12 +23,17 @@ summation order (tests/test_lean.py).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from speculor.errors import SpeculorError
 from speculor.runtime.cache import KVCache
-from speculor.runtime.kernels import Int8Linear
+from speculor.runtime.kernels import Int8Linear, apply, scale_rows
 
 FAMILIES = ("qwen2", "llama")  # decoders with exactly this layer structure (no q/k norms, no sliding windows)
 
@@ -37,6 +44,18 @@ def supports(model: torch.nn.Module) -> bool:
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     return (getattr(config, "model_type", None) in FAMILIES and layer_types == {"full_attention"}
             and hasattr(getattr(model, "model", None), "rotary_emb"))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows [start, stop) of a stacked lean forward belong to `cache`; mask [stop - start, kv] additive (or None:
+    every row sees every entry); last: only the last row's logits are wanted."""
+
+    cache: KVCache
+    start: int
+    stop: int
+    mask: torch.Tensor | None
+    last: bool = False
 
 
 class LeanDecoder:
@@ -65,39 +84,61 @@ class LeanDecoder:
         """(logits [n, V] or [1, V] with last=True, final-norm hidden states [n, H] or None) for tokens [n] at
         positions [n], appended to the cache; mask [n, kv] additive (kv = cache entries after the append), or
         None when every row sees every entry."""
-        x = self.embed(tokens)  # [n, H]
-        cos, sin = self.rotary(x, positions[None])  # [1, n, D] each
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, D]: broadcast over heads
-        if mask is not None:
-            mask = mask.repeat(self.rep, 1)  # [rep·n, kv]: query row r·n + i is row i of head group r
-        for i, layer in enumerate(self.layers):
-            x = x + self._attend(layer.self_attn, layer.input_layernorm(x), cache, i, cos, sin, mask)
-            h = layer.post_attention_layernorm(x)
-            if self.gate_up[i] is None:
-                x = x + layer.mlp(h)
-            else:  # MLP(h) = W_down (silu(h W_gateᵀ) ⊙ h W_upᵀ)
-                gate, up = self.gate_up[i](h).chunk(2, dim=-1)
-                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        out = self.norm(x if hidden or not last else x[-1:])  # [n or 1, H]
-        logits = self.model.lm_head(out[-1:] if last else out)
-        return logits, (out if hidden else None)
+        (logits,), (h,) = self.forward([Rows(cache, 0, len(tokens), mask, last)], tokens, positions, hidden=hidden)
+        return logits, h
 
-    def _attend(self, attn: torch.nn.Module, h: torch.Tensor, cache: KVCache, layer: int, cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention of one layer for h [n, H]: writes the block's keys/values into the cache; returns [n, H]."""
-        n, d = len(h), self.head_dim
+    def forward(self, blocks: Sequence[Rows], tokens: torch.Tensor, positions: torch.Tensor, *, hidden: bool = False,
+                apart: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Several requests' blocks in one forward: tokens [R] and positions [R] stacked, block b owning rows
+        [start, stop) and attending to its own cache. Per block: its logits (all rows, or the last with
+        `last`) and, with hidden=True, its final-norm hidden states. The linear layers run once over all R rows;
+        apart=True computes each row of them from that row alone (kernels.scale_rows), so a block's results do not
+        depend on the blocks beside it."""
+        x = self.embed(tokens)  # [R, H]
+        cos, sin = self.rotary(x, positions[None])  # [1, R, D] each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [R, 1, D]: broadcast over heads
+        masks = [b.mask.repeat(self.rep, 1) if b.mask is not None else None for b in blocks]  # [rep·n, kv]: query
+        # row r·n + i is row i of head group r
+        mm = (lambda h: partial(apply, rows=scale_rows(h))) if apart else (lambda h: lambda linear: linear(h))
+        for i, layer in enumerate(self.layers):
+            x = x + self._attend(layer.self_attn, mm(layer.input_layernorm(x)), blocks, masks, i, cos, sin, mm)
+            h = mm(layer.post_attention_layernorm(x))
+            if self.gate_up[i] is None:  # MLP(h) = W_down (silu(h W_gateᵀ) ⊙ h W_upᵀ)
+                gate, up = h(layer.mlp.gate_proj), h(layer.mlp.up_proj)
+            else:
+                gate, up = h(self.gate_up[i]).chunk(2, dim=-1)
+            x = x + mm(layer.mlp.act_fn(gate) * up)(layer.mlp.down_proj)
+        picked = [r for b in blocks for r in (range(b.stop - 1, b.stop) if b.last else range(b.start, b.stop))]
+        every = len(picked) == len(x)
+        out = self.norm(x if hidden or every else x[picked])  # [R or picked, H]
+        logits = mm(out if every or not hidden else out[picked])(self.model.lm_head)
+        ends = list(itertools.accumulate(1 if b.last else b.stop - b.start for b in blocks))
+        return ([logits[a:e] for a, e in zip([0, *ends[:-1]], ends, strict=True)],
+                [out[b.start:b.stop] if hidden else None for b in blocks])
+
+    def _attend(self, attn: torch.nn.Module, h: Callable, blocks: Sequence[Rows], masks: list[torch.Tensor | None],
+                layer: int, cos: torch.Tensor, sin: torch.Tensor, mm: Callable) -> torch.Tensor:
+        """Attention of one layer for the stacked input h (rows of every block): writes each block's keys/values
+        into its cache; returns [R, H]."""
+        d = self.head_dim
         if self.qkv[layer] is None:
-            qk, v = torch.cat([attn.q_proj(h), attn.k_proj(h)], dim=-1), attn.v_proj(h)
+            qk, v = torch.cat([h(attn.q_proj), h(attn.k_proj)], dim=-1), h(attn.v_proj)
         else:
-            qk, v = self.qkv[layer](h).split([(self.heads + self.kv_heads) * d, self.kv_heads * d], dim=-1)
-        qk = rope(qk.reshape(n, self.heads + self.kv_heads, d), cos, sin)  # queries and keys in one pass
-        q, k, v = qk[:, :self.heads], qk[:, self.heads:], v.reshape(n, self.kv_heads, d)  # [n, heads or kv_heads, D]
-        keys, values = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, kv_heads, kv, D]
-        # head h = g·rep + r attends to key/value head g: stack its rep query heads along the query axis
-        q = q.view(n, self.kv_heads, self.rep, d).permute(1, 2, 0, 3).reshape(1, self.kv_heads, self.rep * n, d)
-        o = scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)  # [1, kv_heads, rep·n, D]
-        o = o.view(self.kv_heads, self.rep, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
-        return attn.o_proj(o)
+            qk, v = h(self.qkv[layer]).split([(self.heads + self.kv_heads) * d, self.kv_heads * d], dim=-1)
+        n_all = len(v)
+        qk = rope(qk.reshape(n_all, self.heads + self.kv_heads, d), cos, sin)  # queries and keys in one pass
+        q, k, v = qk[:, :self.heads], qk[:, self.heads:], v.reshape(n_all, self.kv_heads, d)  # [R, heads, D]
+        outs = []
+        for b, mask in zip(blocks, masks, strict=True):
+            n = b.stop - b.start
+            keys, values = b.cache.update(k[b.start:b.stop].transpose(0, 1)[None],
+                                          v[b.start:b.stop].transpose(0, 1)[None], layer)  # [1, kv_heads, kv, D]
+            # head h = g·rep + r attends to key/value head g: stack its rep query heads along the query axis
+            qb = q[b.start:b.stop].view(n, self.kv_heads, self.rep, d).permute(1, 2, 0, 3)
+            o = scaled_dot_product_attention(qb.reshape(1, self.kv_heads, self.rep * n, d), keys, values,
+                                             attn_mask=mask, scale=self.scale)  # [1, kv_heads, rep·n, D]
+            outs.append(o.view(self.kv_heads, self.rep, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d))
+        return mm(torch.cat(outs) if len(outs) > 1 else outs[0])(attn.o_proj)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

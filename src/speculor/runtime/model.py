@@ -12,7 +12,10 @@ is patched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +23,7 @@ from speculor.core.tree import attention_mask, position_ids
 from speculor.runtime import batched
 from speculor.runtime.cache import KVCache
 from speculor.runtime.lean import LeanDecoder
+from speculor.runtime.lean import Rows as LeanRows
 
 Block = tuple[KVCache, "torch.Tensor | list[int]", "torch.Tensor | None"]  # (a request's cache, tokens, parents)
 
@@ -57,6 +61,9 @@ class Model:
         at position length + depth. append=False with parents=None is a chain; with append=True parents=None
         continues the last pending entry. With hidden=True also returns the last hidden states [n, H].
         """
+        route = getattr(_routes, "hook", None)
+        if route is not None and self.lean is not None:  # a request proposing under engine/drafting.py
+            return route(self, Call(cache, tokens, parents, hidden, append, last))
         tokens, region, b = _open(cache, tokens, parents, append)
         if self.lean is not None:
             return self._lean_forward(cache, tokens, region, b, hidden, last)
@@ -83,6 +90,33 @@ class Model:
         return (logits, h) if hidden else logits
 
     @torch.inference_mode()
+    def forward_many(self, calls: Sequence[Call], *, apart: bool = False) -> list:
+        """What `forward(*call)` returns for each call (each on its own request's cache), from ONE lean forward over
+        the stacked rows; apart=True computes every row of the linear layers from that row alone (kernels.py), so
+        a call's result does not depend on the calls beside it. A model without the lean forward runs them in turn.
+        """
+        if self.lean is None:
+            return [self.forward(c.cache, c.tokens, c.parents, c.hidden, append=c.append, last=c.last) for c in calls]
+        rows, ids, positions, regions, start = [], [], [], [], 0
+        for c in calls:
+            tokens, region, b = _open(c.cache, c.tokens, c.parents, c.append)
+            mask = attention_mask(region, c.cache.length, self.dtype)[0, 0, b:]  # [n, kv]
+            rows.append(LeanRows(c.cache, start, start + len(tokens), mask.to(self.device) if mask.any() else None,
+                                 c.last))
+            ids.append(tokens)
+            positions.append(position_ids(region, c.cache.length)[0, b:])
+            regions.append(region)
+            start += len(tokens)
+        logits, hidden = self.lean.forward(rows, torch.cat(ids).to(self.device), torch.cat(positions).to(self.device),
+                                           hidden=any(c.hidden for c in calls), apart=apart)
+        out = []
+        for c, region, lg, h in zip(calls, regions, logits, hidden, strict=True):
+            c.cache.pending = region
+            lg = _fit_vocab(lg.float(), self.vocab_size)
+            out.append((lg, h) if c.hidden else lg)
+        return out
+
+    @torch.inference_mode()
     def forward_batch(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
         """Logits [n_i, V] for each request's block (cache_i, tokens_i, parents_i), as `forward(cache_i, tokens_i,
         parents_i)` gives them, from ONE forward over the stacked rows when the model can batch (runtime/batched.py:
@@ -107,6 +141,33 @@ class Model:
         for s, region in zip(segments, regions, strict=True):
             s.cache.pending = region
         return [logits[s.start:s.stop] for s in segments]
+
+
+@dataclass(frozen=True)
+class Call:
+    """The arguments of one `Model.forward` call (its request's cache, block, flags)."""
+
+    cache: KVCache
+    tokens: torch.Tensor | list[int]
+    parents: torch.Tensor | None = None
+    hidden: bool = False
+    append: bool = False
+    last: bool = False
+
+
+_routes = threading.local()  # .hook: where this thread's lean forwards go while it proposes (`routed`)
+
+
+@contextmanager
+def routed(hook: Callable[[Model, Call], object]) -> Iterator[None]:
+    """Within the block, `forward` calls of lean models made by this thread return hook(model, call): the drafting
+    rendezvous (engine/drafting.py) collects a step's draft forwards there to run them together."""
+    before = getattr(_routes, "hook", None)
+    _routes.hook = hook
+    try:
+        yield
+    finally:
+        _routes.hook = before
 
 
 def _open(cache: KVCache, tokens: torch.Tensor | list[int], parents: torch.Tensor | None,

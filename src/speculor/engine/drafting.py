@@ -1,0 +1,180 @@
+"""A step's drafting: every request's `propose`, with the draft forwards of all of them batched.
+
+A drafter is sequential code that calls its draft model's `forward` between draws. To batch those calls across
+requests without rewriting any drafter, each request proposes in a thread of its own and the threads take turns,
+one at a time in request order; a lean draft forward parks its thread (`Model.forward` is routed here,
+runtime/model.py `routed`). When every request has parked or finished, the parked calls run as ONE forward per
+draft model (`Model.forward_many`: the linear layers over the stacked rows, attention per request), each thread
+gets its own result and the next round of turns begins. So round r is the r-th draft forward of every request
+still drafting: a tree drafter's depth r for all requests in one forward.
+
+    round 0: each request catches up (its root)   -> one forward over all roots
+    round r: each request draws, then feeds a depth -> one forward over all requests' depth-r rows
+
+Kernels. fbgemm's int8 quantises a call's activations with one step for the call, so stacked rows would round
+with their neighbours. When any request of the step samples, the draft's rows are computed apart
+(kernels.scale_rows): a sampled request's q then follows from its own tokens alone, so its output follows from
+its seed alone, alone or in any batch. A lone sampled request (the single-stream loop) drafts the same way, so a
+seed gives the same text in `generate`, `bench` and `serve`. Greedy steps keep the faster per-call kernel: any q
+gives the target's own tokens at temperature 0.
+
+The batch-aware budget (docs/algorithms.md §11.1) reads a live `Seat` of the step's `Book`: the other requests'
+target rows and expected tokens as their trees stand now, and their rows in each round's draft forward, so a draft
+row is priced at what it adds to a forward that the batch makes anyway.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from speculor.core.tree import EMPTY, DraftTree
+from speculor.drafters.base import BatchLedger
+from speculor.errors import SpeculorError
+from speculor.runtime.model import Call, Model, routed
+
+if TYPE_CHECKING:
+    from speculor.engine.loop import Request
+
+
+class Book:
+    """The batch of one step as its requests propose: per request, target rows and expected tokens so far (a root
+    row and one token until it publishes), and its rows in each round's draft forward; `extra` target rows that are
+    no request's tree (prompt chunks)."""
+
+    def __init__(self, n: int, extra: int = 0) -> None:
+        self.rows, self.tokens = [1] * n, [1.0] * n
+        self.draft: list[list[int]] = []  # round -> rows of each request in that round's draft forward
+        self.extra = extra
+
+    def seat(self, i: int) -> Seat:
+        return Seat(self, i)
+
+    def drafted(self, rnd: int, i: int, rows: int) -> None:
+        while len(self.draft) <= rnd:
+            self.draft.append([0] * len(self.rows))
+        self.draft[rnd][i] += rows
+
+
+class Seat(BatchLedger):
+    """Request i's live view of its step's `Book`: the others' rows, tokens and draft rows as they stand now."""
+
+    def __init__(self, book: Book, i: int) -> None:  # no fields of its own: they are read from the book
+        self.book, self.i = book, i
+
+    @property
+    def rows(self) -> int:
+        return self.book.extra + sum(self.book.rows) - self.book.rows[self.i]
+
+    @property
+    def tokens(self) -> float:
+        return sum(self.book.tokens) - self.book.tokens[self.i]
+
+    @property
+    def draft_rows(self) -> list[int]:
+        return [sum(r) - r[self.i] for r in self.book.draft]
+
+    def publish(self, rows: int, tokens: float) -> None:
+        self.book.rows[self.i], self.book.tokens[self.i] = rows, tokens
+
+
+def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list[DraftTree], float]:
+    """Each request's draft tree (EMPTY without a drafter), and the seconds the step's drafting took. A batch-aware
+    drafter is given its seat of `book` (if given) as its `ledger`."""
+    t0 = time.perf_counter()
+    apart = any(r.drafter is not None and not r.cfg.greedy for r in reqs)
+    drafting = [i for i, r in enumerate(reqs) if r.drafter is not None]
+    for i in drafting:
+        if book is not None and getattr(reqs[i].drafter, "batch_aware", False):
+            reqs[i].drafter.ledger = book.seat(i)
+    trees = [EMPTY] * len(reqs)
+    if len(drafting) == 1:  # alone: no other rows to wait for
+        r = reqs[drafting[0]]
+        with routed(lambda model, call: model.forward_many([call], apart=apart)[0]):
+            trees[drafting[0]] = r.drafter.propose(r.seq, r.cfg, r.generator)
+    elif drafting:
+        jobs = [(lambda r=reqs[i]: r.drafter.propose(r.seq, r.cfg, r.generator)) for i in drafting]
+        on_round = (lambda rnd, j, rows: book.drafted(rnd, drafting[j], rows)) if book is not None else None
+        for i, tree in zip(drafting, rendezvous(jobs, apart, on_round), strict=True):
+            trees[i] = tree
+    return trees, time.perf_counter() - t0
+
+
+class _Turn:
+    """One job in its own thread, run a turn at a time: from its start or its last forward to its next forward
+    (parked in `call`) or its end."""
+
+    def __init__(self, job: Callable[[], DraftTree]) -> None:
+        self.job = job
+        self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
+        self.call: tuple[Model, Call] | None = None
+        self.result: object = None
+        self.tree: DraftTree | None = None
+        self.error: BaseException | None = None
+        self.done = self.aborted = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.go.acquire()
+        try:
+            if self.aborted:
+                raise _Abort("the step's drafting failed in another request")
+            with routed(self._park):
+                self.tree = self.job()
+        except BaseException as exc:  # handed to the coordinating thread, which raises it
+            self.error = exc
+        self.done = True
+        self.back.release()
+
+    def _park(self, model: Model, call: Call) -> object:
+        self.call = (model, call)
+        self.back.release()
+        self.go.acquire()
+        if self.aborted:
+            raise _Abort("the step's drafting failed in another request")
+        result, self.result, self.call = self.result, None, None
+        return result
+
+    def turn(self) -> None:
+        """Run this job until it parks a forward or ends."""
+        self.go.release()
+        self.back.acquire()
+
+
+class _Abort(SpeculorError):
+    """Ends a parked job whose step failed elsewhere."""
+
+
+def rendezvous(jobs: Sequence[Callable[[], DraftTree]], apart: bool,
+               on_round: Callable[[int, int, int], None] | None = None) -> list[DraftTree]:
+    """Run the jobs in turns, their lean forwards of each round batched per model (module docstring); their trees.
+    on_round(round, job, rows) is told each job's rows in each round's forward."""
+    turns = [_Turn(job) for job in jobs]
+    live, rnd = list(turns), 0
+    try:
+        while live:
+            for t in live:
+                t.turn()
+                if t.error is not None:
+                    raise t.error
+            live = [t for t in live if not t.done]
+            by_model: dict[int, list[_Turn]] = {}
+            for t in live:
+                by_model.setdefault(id(t.call[0]), []).append(t)
+            for group in by_model.values():
+                results = group[0].call[0].forward_many([t.call[1] for t in group], apart=apart)
+                for t, result in zip(group, results, strict=True):
+                    t.result = result
+                    if on_round is not None:
+                        on_round(rnd, turns.index(t), len(t.call[1].tokens))
+            rnd += 1
+    finally:
+        for t in turns:
+            if not t.done:  # a failed step: unpark the others so their threads end
+                t.aborted = True
+                t.turn()
+            t.thread.join()
+    return [t.tree for t in turns]

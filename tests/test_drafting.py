@@ -1,0 +1,227 @@
+"""Draft forwards batched across requests (engine/drafting.py, Model.forward_many, LeanDecoder.forward,
+kernels.scale_rows): one draft forward per round for all requests; rows computed apart give a request the same
+bits alone and in any batch (so a sampled request's output follows from its seed alone); the batch-aware budget
+prices a draft row inside the shared forward; a failing request ends the step cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batch import PROMPTS, run_batch
+from test_batch import tiny as packed_tiny
+from test_lean import tiny
+
+from speculor import SamplingConfig, engine
+from speculor.drafters.base import BatchLedger, ChainDrafter, NgramDrafter, TreeDrafter
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+from speculor.engine import drafting
+from speculor.engine.drafting import Book, rendezvous
+from speculor.errors import SpeculorError
+from speculor.runtime.cost import CostModel
+from speculor.runtime.kernels import Int8Linear, apply, pack_linears, scale_rows
+from speculor.runtime.model import Call, Model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+fbgemm = pytest.mark.skipif(torch.backends.quantized.engine not in ("x86", "fbgemm"), reason="needs fbgemm")
+
+
+def int8_draft(seed: int = 5) -> Model:
+    model = tiny(seed, layers=2)
+    pack_linears(model, Int8Linear)
+    return Model(model, lean=True)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Model, Model]:
+    return Model(packed_tiny(0)), int8_draft()
+
+
+# ---------------------------------------------------------------- the kernel: rows apart
+
+@fbgemm
+def test_scaled_rows_are_computed_apart_and_per_call_rows_are_not() -> None:
+    """Bitwise: a row's output through `scaled` is the same alone and beside any rows; the per-call kernel (the
+    negative control) rounds a row by its neighbours' range. Both stay close to the fp32 product."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96)
+    k = Int8Linear(lin)
+    x = torch.randn(12, 64) * torch.logspace(-2, 2, 12)[:, None]  # rows of very different scales
+    with torch.inference_mode():
+        whole = apply(k, scale_rows(x))
+        for i in range(12):
+            assert torch.equal(apply(k, scale_rows(x[i:i + 1])), whole[i:i + 1]), i
+        assert torch.equal(apply(k, scale_rows(x[3:9])), whole[3:9])
+        per_call = k(x)
+        assert not torch.equal(k(x[:1]), per_call[:1])  # the small row, rounded with the large ones' step
+        exact = lin(x)
+    rel = ((whole - exact).norm(dim=1) / exact.norm(dim=1)).max()
+    assert rel < 0.05
+    assert ((per_call - exact).norm(dim=1) / exact.norm(dim=1)).max() > rel  # per-row steps fit small rows better
+
+
+# ---------------------------------------------------------------- one lean forward for several requests
+
+def _prefilled(model: Model, prompt: list[int]):
+    cache = model.new_cache()
+    model.forward(cache, prompt)
+    cache.keep(list(range(len(prompt))))
+    return cache
+
+
+@fbgemm
+@pytest.mark.parametrize("apart", [True, False])
+def test_forward_many_gives_each_call_its_own_result(models, apart: bool) -> None:
+    """Calls of several kinds (a tree block, an appended depth, last=True, hidden=True) in one forward: each gets
+    what it gets alone (the same bits with rows apart), and each cache only its own rows."""
+    _, draft = models
+    calls = lambda caches: [Call(caches[0], [5, 6, 7], torch.tensor([-1, 0, 0])),  # noqa: E731
+                            Call(caches[1], [11], last=True),
+                            Call(caches[2], [1, 2, 3, 4], hidden=True),
+                            Call(caches[3], [9, 9], torch.tensor([-1, -1]), append=True)]
+    alone_caches = [_prefilled(draft, p) for p in PROMPTS]
+    draft.forward(alone_caches[3], [8], torch.tensor([-1]))  # a pending row to append after
+    alone = [draft.forward_many([c], apart=apart)[0] for c in calls(alone_caches)]
+    caches = [_prefilled(draft, p) for p in PROMPTS]
+    draft.forward(caches[3], [8], torch.tensor([-1]))
+    together = draft.forward_many(calls(caches), apart=apart)
+    pairs = [(a, b) for x, y in zip(alone, together, strict=True)
+             for a, b in (zip(x, y, strict=True) if isinstance(x, tuple) else [(x, y)])]  # hidden: logits and states
+    assert len(pairs) == 5
+    for a, b in pairs:
+        assert a.shape == b.shape
+        assert torch.equal(a, b) if apart else (a - b).abs().max() < 0.2
+    assert together[1].shape == (1, 64)
+    for c, d in zip(caches, alone_caches, strict=True):
+        assert c.get_seq_length() == d.get_seq_length() and torch.equal(c.pending, d.pending)
+
+
+def test_fp32_lean_rows_stack_like_separate_forwards() -> None:
+    """A fp32 lean draft (no int8 kernel): two chains in one forward equal their own forwards."""
+    model = Model(tiny(7), lean=True)
+    a, b = _prefilled(model, PROMPTS[0]), _prefilled(model, PROMPTS[1])
+    a2, b2 = _prefilled(model, PROMPTS[0]), _prefilled(model, PROMPTS[1])
+    want = [model.forward(a2, [4, 5]), model.forward(b2, [6])]
+    for apart in (False, True):
+        got = model.forward_many([Call(a, [4, 5]), Call(b, [6])], apart=apart)
+        for w, g in zip(want, got, strict=True):
+            assert (w - g).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- the rendezvous
+
+class Counting:
+    """Counts the lean forwards of a draft model and the rows of each."""
+
+    def __init__(self, model: Model) -> None:
+        self.model, self.rows = model, []
+        self.inner = model.lean.forward
+
+    def __enter__(self):
+        self.model.lean.forward = lambda blocks, *a, **k: self.rows.append(sum(b.stop - b.start for b in blocks)) \
+            or self.inner(blocks, *a, **k)
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.lean.forward
+
+
+@fbgemm
+def test_a_steps_draft_forwards_are_one_per_round(models) -> None:
+    """Four requests with chains of 3 and a tree of depth 2: a step makes 3 draft forwards, not 3 + 3 + 3 + 2."""
+    target, draft = models
+    cfg = SamplingConfig(max_new_tokens=1)
+    reqs = [engine.start(target, d, p, cfg) for d, p in zip(
+        [ChainDrafter(draft, 3), ChainDrafter(draft, 3), TreeDrafter(draft, [-1, -1, 0, 1]), ChainDrafter(draft, 3)],
+        PROMPTS, strict=True)]
+    with Counting(draft) as seen:
+        trees, _ = drafting.propose_all(reqs, Book(len(reqs)))
+    assert [len(t) for t in trees] == [3, 3, 4, 3]
+    prompt_rows = sum(len(p) for p in PROMPTS)  # round 0: each request catches up its prompt
+    assert seen.rows == [prompt_rows, 3 + 2, 3]  # round 1: three chain rows and the tree's two depth-1 nodes
+
+
+@fbgemm
+def test_batched_drafts_keep_greedy_output_and_a_seed_its_sample(models) -> None:
+    """With an int8 lean draft whose forwards are batched: greedy requests emit the target's own tokens; a sampled
+    request emits the same tokens alone and in two different batches, and others with another seed."""
+    target, draft = models
+    greedy = [SamplingConfig(max_new_tokens=n) for n in (9, 12, 7, 10)]
+    makers = [lambda: ChainDrafter(draft, 3), lambda: TreeDrafter(draft, [-1, -1, 0, 1, 2], "swor"), lambda: None,
+              lambda: NgramDrafter(k=4)]
+    plain = [[t.id for t in engine.stream(target, None, p, c)] for p, c in zip(PROMPTS, greedy, strict=True)]
+    assert run_batch(target, makers, PROMPTS, greedy) == plain
+    mine = SamplingConfig(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=12)
+    alone = [t.id for t in engine.stream(target, ChainDrafter(draft, 2), PROMPTS[0], mine)]
+    others = [SamplingConfig(temperature=1.3, seed=8, max_new_tokens=9), SamplingConfig(max_new_tokens=15),
+              SamplingConfig(temperature=0.6, seed=1, max_new_tokens=11)]
+    tree = lambda: TreeDrafter(draft, [-1, -1, 0], "iid")  # noqa: E731
+    assert run_batch(target, [lambda: ChainDrafter(draft, 2), tree, lambda: ChainDrafter(draft, 4), tree],
+                     PROMPTS, [mine, *others])[0] == alone
+    assert run_batch(target, [lambda: ChainDrafter(draft, 2), tree], PROMPTS[:2], [mine, others[0]])[0] == alone
+    other_seed = SamplingConfig(temperature=0.9, top_p=0.95, seed=8, max_new_tokens=12)
+    assert run_batch(target, [lambda: ChainDrafter(draft, 2), tree], PROMPTS[:2], [other_seed, others[0]])[0] != alone
+
+
+class Failing:
+    """A drafter whose propose fails after one draft forward."""
+
+    forwards = 0
+
+    def __init__(self, model: Model) -> None:
+        self.model, self.cache = model, model.new_cache()
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, seq, cfg, generator):
+        self.model.forward(self.cache, seq)
+        raise SpeculorError("draft logits are not finite")
+
+    def observe(self, n_committed, verdict) -> None:
+        pass
+
+
+@fbgemm
+def test_a_failing_request_fails_the_step_and_leaves_no_thread_waiting(models) -> None:
+    import threading
+
+    target, draft = models
+    cfg = SamplingConfig(max_new_tokens=4)
+    before = threading.active_count()
+    reqs = [engine.start(target, d, p, cfg) for d, p in zip(
+        [ChainDrafter(draft, 3), Failing(draft), ChainDrafter(draft, 3)], PROMPTS[:3], strict=True)]
+    with pytest.raises(SpeculorError, match="not finite"):
+        drafting.propose_all(reqs, Book(3))
+    assert threading.active_count() == before
+    with pytest.raises(ZeroDivisionError):
+        rendezvous([lambda: 1 / 0], apart=False)
+
+
+# ---------------------------------------------------------------- the batch-aware budget inside shared forwards
+
+FLAT = CostModel((1, 2, 64), (0.30, 0.33, 2.0), (1, 16, 64), (0.06, 0.09, 0.2))
+
+
+def test_a_draft_row_is_priced_inside_the_forward_the_batch_makes_anyway() -> None:
+    book = Book(3)
+    book.drafted(0, 0, 4)
+    book.drafted(0, 1, 1)
+    seat = book.seat(2)
+    assert seat.draft_rows == [5]
+    assert seat.draft_cost(FLAT.t_draft, 0, 1) == pytest.approx(FLAT.t_draft(6) - FLAT.t_draft(5))  # a row more
+    assert seat.draft_cost(FLAT.t_draft, 1, 1) == pytest.approx(FLAT.t_draft(1))  # a round nobody else makes
+    assert seat.draft_s(FLAT.t_draft) == pytest.approx(FLAT.t_draft(5))
+    seat.publish(7, 3.5)
+    assert (book.seat(0).rows, book.seat(0).tokens) == (1 + 7, 1.0 + 3.5)
+    assert BatchLedger().draft_cost(FLAT.t_draft, 0, 3) == FLAT.t_draft(3)  # alone: the forward's whole cost
+
+
+@fbgemm
+def test_batch_aware_dyspec_with_batched_drafts_keeps_greedy_output(models) -> None:
+    target, draft = models
+    cfg = SamplingConfig(max_new_tokens=8)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    want = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts]
+    opts = DySpecOptions(budget="auto")
+    assert run_batch(target, [lambda: DySpecDrafter(draft, opts, FLAT)] * 6, prompts, [cfg] * 6) == want
+
