@@ -202,18 +202,16 @@ def test_a_failing_request_fails_the_step_and_leaves_no_thread_waiting(models) -
 FLAT = CostModel((1, 2, 64), (0.30, 0.33, 2.0), (1, 16, 64), (0.06, 0.09, 0.2))
 
 
-def test_a_draft_row_is_priced_inside_the_forward_the_batch_makes_anyway() -> None:
+def test_a_seat_sees_the_others_rows_tokens_and_shared_draft_forwards() -> None:
     book = Book(3)
     book.drafted(0, 0, 4)
     book.drafted(0, 1, 1)
     seat = book.seat(2)
     assert seat.draft_rows == [5]
-    assert seat.draft_cost(FLAT.t_draft, 0, 1) == pytest.approx(FLAT.t_draft(6) - FLAT.t_draft(5))  # a row more
-    assert seat.draft_cost(FLAT.t_draft, 1, 1) == pytest.approx(FLAT.t_draft(1))  # a round nobody else makes
-    assert seat.draft_s(FLAT.t_draft) == pytest.approx(FLAT.t_draft(5))
+    assert seat.draft_s(FLAT.t_draft) == pytest.approx(FLAT.t_draft(5))  # one shared forward of 5 rows
     seat.publish(7, 3.5)
     assert (book.seat(0).rows, book.seat(0).tokens) == (1 + 7, 1.0 + 3.5)
-    assert BatchLedger().draft_cost(FLAT.t_draft, 0, 3) == FLAT.t_draft(3)  # alone: the forward's whole cost
+    assert BatchLedger().draft_s(FLAT.t_draft) == 0.0
 
 
 @fbgemm

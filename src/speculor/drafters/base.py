@@ -75,10 +75,6 @@ class BatchLedger:
         """Seconds of the others' draft forwards, t_draft(rows) each."""
         return sum(t_draft(r) for r in self.draft_rows if r > 0)
 
-    def draft_cost(self, t_draft: Callable[[int], float], forward: int, rows: int) -> float:
-        """What `rows` more rows in the step's draft forward number `forward` (0-based) add to the draft time."""
-        others = self.draft_rows[forward] if forward < len(self.draft_rows) else 0
-        return t_draft(others + rows) - (t_draft(others) if others else 0.0)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int
-from speculor.core.sequoia_dp import Choice, choose_tree, feed_widths, optimal_trees, tree_choices
+from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees, tree_choices
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchLedger, TreeDrafter
@@ -200,10 +200,10 @@ class SequoiaPlans:
             (T_o + F(T)) / (D_o + draft(T) + t_target(R_o + |T| + 1))   against   (T_o + 1) / (D_o + t_target(R_o + 1))
         """
         r_o, t_o = ledger.rows + ledger.pending, ledger.tokens + ledger.pending  # a request to come: its root
-        d_o, t_draft = ledger.draft_s(self.cost.t_draft), self.cost.t_draft
+        d_o = ledger.draft_s(self.cost.t_draft)
         best, best_rate = None, (t_o + 1) / (d_o + self.cost.t_target(r_o + 1))
-        for c in self.choices(cfg):  # draft(T): its forwards' rows priced inside the batch's draft forwards
-            draft_s = sum(ledger.draft_cost(t_draft, f, w) for f, w in enumerate([1, *feed_widths(c.shape)]))
+        for c in self.choices(cfg):  # draft(T) as alone: a shared round is mostly paid whoever drafts (dyspec.py)
+            draft_s = c.step_s - self.cost.t_target(c.n)
             rate = (t_o + c.expected_tokens) / (d_o + draft_s + self.cost.t_target(r_o + c.n))
             if rate > best_rate:
                 best, best_rate = c, rate

@@ -89,6 +89,8 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
     for i in drafting:
         if book is not None and getattr(reqs[i].drafter, "batch_aware", False):
             reqs[i].drafter.ledger = book.seat(i)
+            book.rows[i], book.tokens[i] = getattr(reqs[i].drafter, "estimate", (1, 1.0))  # its last tree, until
+            # it decides (so the requests before it in turn count it too)
     trees = [EMPTY] * len(reqs)
     if len(drafting) == 1:  # alone: no other rows to wait for
         r = reqs[drafting[0]]
