@@ -191,6 +191,23 @@ def test_batch_aware_dyspec_decodes_plainly_under_load(pair):
     assert got[:4] == alone
 
 
+def test_in_a_crowd_a_request_far_behind_prices_its_whole_catch_up(pair):
+    """A draft cache 40 tokens behind: beside one other request the catch-up (40 rows) does not pay, so it decodes
+    plainly; alone it buys the rest of the generation and drafts; once caught up it drafts beside the other."""
+    from speculor.core.verify import Verdict
+
+    _, draft = pair
+    d = DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT)
+    seq = [(7 * i) % VOCAB for i in range(40)]
+    d.ledger = BatchLedger(rows=1, tokens=1.0)
+    assert len(d.propose(seq, SamplingConfig(), None)) == 0 and d.skipped
+    d.ledger = BatchLedger()
+    assert len(d.propose(seq, SamplingConfig(), None)) >= 1 and not d.skipped
+    d.observe(len(seq), Verdict([], 5))
+    d.ledger = BatchLedger(rows=1, tokens=1.0)
+    assert len(d.propose(seq + [5], SamplingConfig(), None)) >= 1 and not d.skipped
+
+
 def test_batch_aware_sequoia_sizes_its_tree_for_the_batch(pair):
     """Sequoia's auto budget in a batch: alone it picks the plan's tree (the single-stream choice); behind 15
     requests decoding plainly a draft row costs more than it returns, so it decodes plainly; greedy output is

@@ -28,7 +28,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
+
+import torch
 
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.drafters.base import BatchLedger
@@ -92,16 +95,23 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
             book.rows[i], book.tokens[i] = getattr(reqs[i].drafter, "estimate", (1, 1.0))  # its last tree, until
             # it decides (so the requests before it in turn count it too)
     trees = [EMPTY] * len(reqs)
-    if len(drafting) == 1:  # alone: no other rows to wait for
-        r = reqs[drafting[0]]
+    jobs = [partial(_proposal, reqs[i], book, i) for i in drafting]
+    if len(jobs) == 1:  # alone: no other rows to wait for
         with routed(lambda model, call: model.forward_many([call], apart=apart)[0]):
-            trees[drafting[0]] = r.drafter.propose(r.seq, r.cfg, r.generator)
-    elif drafting:
-        jobs = [(lambda r=reqs[i]: r.drafter.propose(r.seq, r.cfg, r.generator)) for i in drafting]
+            trees[drafting[0]] = jobs[0]()
+    elif jobs:
         on_round = (lambda rnd, j, rows: book.drafted(rnd, drafting[j], rows)) if book is not None else None
         for i, tree in zip(drafting, rendezvous(jobs, apart, on_round), strict=True):
             trees[i] = tree
     return trees, time.perf_counter() - t0
+
+
+def _proposal(req: Request, book: Book | None, i: int) -> DraftTree:
+    """Request i's tree; a drafter that does not publish as it grows is entered in the book once it is done."""
+    tree = req.drafter.propose(req.seq, req.cfg, req.generator)
+    if book is not None and not getattr(req.drafter, "batch_aware", False):
+        book.rows[i], book.tokens[i] = 1 + len(tree), float(getattr(req.drafter, "expected_tokens", 1.0))
+    return tree
 
 
 class _Turn:
@@ -110,6 +120,7 @@ class _Turn:
 
     def __init__(self, job: Callable[[], DraftTree]) -> None:
         self.job = job
+        self.modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # thread-local: the caller's
         self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
         self.call: tuple[Model, Call] | None = None
         self.result: object = None
@@ -124,7 +135,8 @@ class _Turn:
         try:
             if self.aborted:
                 raise _Abort("the step's drafting failed in another request")
-            with routed(self._park):
+            grad, inference = self.modes
+            with routed(self._park), torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 self.tree = self.job()
         except BaseException as exc:  # handed to the coordinating thread, which raises it
             self.error = exc

@@ -132,7 +132,7 @@ def scale_rows(x: torch.Tensor) -> Scaled:
     """x's rows divided by their absmax, and the sentinel rows that fix every call's range to [-1, 1]."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     a = torch.linalg.vector_norm(x2, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
-    sentinels = torch.tensor([[1.0], [-1.0]]).expand(2, x2.shape[1])
+    sentinels = x2.new_tensor([[1.0], [-1.0]]).expand(2, x2.shape[1])
     return Scaled(x, torch.cat([x2 / a, sentinels]), a)
 
 

@@ -76,6 +76,8 @@ class LeanDecoder:
         self.scale = attn.scaling
         # fuse=True: q/k/v and gate/up as one matmul each, None where not fusable. Costs a second copy of those
         # weights (+0.23 GB int8 for Qwen2.5-0.5B) and ~4 s to build on the project CPU; 1-9% faster than unfused.
+        # rows apart (`forward(apart=True)`) matters only for kernels that quantize a call's activations together
+        self.per_call = any(isinstance(m, Int8Linear) and m.packed is not None for m in model.modules())
         self.qkv = [fused([a.q_proj, a.k_proj, a.v_proj]) if fuse else None for a in (x.self_attn for x in self.layers)]
         self.gate_up = [fused([x.mlp.gate_proj, x.mlp.up_proj]) if fuse else None for x in self.layers]
 
@@ -99,7 +101,7 @@ class LeanDecoder:
         cos, sin = cos[0, :, None], sin[0, :, None]  # [R, 1, D]: broadcast over heads
         masks = [b.mask.repeat(self.rep, 1) if b.mask is not None else None for b in blocks]  # [rep·n, kv]: query
         # row r·n + i is row i of head group r
-        mm = (lambda h: partial(apply, rows=scale_rows(h))) if apart else (lambda h: lambda linear: linear(h))
+        mm = partial(reader, apart=apart and self.per_call)
         for i, layer in enumerate(self.layers):
             x = x + self._attend(layer.self_attn, mm(layer.input_layernorm(x)), blocks, masks, i, cos, sin, mm)
             h = mm(layer.post_attention_layernorm(x))
@@ -139,6 +141,12 @@ class LeanDecoder:
                                              attn_mask=mask, scale=self.scale)  # [1, kv_heads, rep·n, D]
             outs.append(o.view(self.kv_heads, self.rep, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d))
         return mm(torch.cat(outs) if len(outs) > 1 else outs[0])(attn.o_proj)
+
+
+def reader(h: torch.Tensor, apart: bool) -> Callable[[torch.nn.Module], torch.Tensor]:
+    """linear -> linear(h): the input of one or more linear layers. apart: each row's output computed from that row
+    alone, h's rows scaled once for every layer that reads h (kernels.scale_rows)."""
+    return partial(apply, rows=scale_rows(h)) if apart else lambda linear: linear(h)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
