@@ -182,19 +182,23 @@ class Failing:
 
 
 @fbgemm
-def test_a_failing_request_fails_the_step_and_leaves_no_thread_waiting(models) -> None:
+def test_a_failing_request_fails_the_step_and_its_workers_serve_the_next(models) -> None:
     import threading
 
     target, draft = models
     cfg = SamplingConfig(max_new_tokens=4)
-    before = threading.active_count()
+    drafting.propose_all([engine.start(target, ChainDrafter(draft, 2), p, cfg) for p in PROMPTS[:3]], Book(3))
+    before = threading.active_count()  # the workers of a step of three, kept
     reqs = [engine.start(target, d, p, cfg) for d, p in zip(
         [ChainDrafter(draft, 3), Failing(draft), ChainDrafter(draft, 3)], PROMPTS[:3], strict=True)]
     with pytest.raises(SpeculorError, match="not finite"):
         drafting.propose_all(reqs, Book(3))
-    assert threading.active_count() == before
+    assert threading.active_count() == before  # no thread left waiting: the workers are back, none was added
     with pytest.raises(ZeroDivisionError):
         rendezvous([lambda: 1 / 0], apart=False)
+    trees, _ = drafting.propose_all([engine.start(target, ChainDrafter(draft, 2), p, cfg) for p in PROMPTS[:3]],
+                                    Book(3))
+    assert [len(t) for t in trees] == [2, 2, 2] and threading.active_count() == before  # the workers serve again
 
 
 # ---------------------------------------------------------------- the batch-aware budget inside shared forwards

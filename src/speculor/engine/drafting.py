@@ -1,12 +1,12 @@
 """A step's drafting: every request's `propose`, with the draft forwards of all of them batched.
 
 A drafter is sequential code that calls its draft model's `forward` between draws. To batch those calls across
-requests without rewriting any drafter, each request proposes in a thread of its own and the threads take turns,
-one at a time in request order; a lean draft forward parks its thread (`Model.forward` is routed here,
-runtime/model.py `routed`). When every request has parked or finished, the parked calls run as ONE forward per
-draft model (`Model.forward_many`: the linear layers over the stacked rows, attention per request), each thread
-gets its own result and the next round of turns begins. So round r is the r-th draft forward of every request
-still drafting: a tree drafter's depth r for all requests in one forward.
+requests without rewriting any drafter, each request proposes on a thread of its own (kept between steps) and the
+threads take turns, one at a time in request order; a lean draft forward parks its thread (`Model.forward` is
+routed here, runtime/model.py `routed`). When every request has parked or finished, the parked calls run as ONE
+forward per draft model (`Model.forward_many`: the linear layers over the stacked rows, attention per request),
+each thread gets its own result and the next round of turns begins. So round r is the r-th draft forward of every
+request still drafting: a tree drafter's depth r for all requests in one forward.
 
     round 0: each request catches up (its root)   -> one forward over all roots
     round r: each request draws, then feeds a depth -> one forward over all requests' depth-r rows
@@ -114,24 +114,53 @@ def _proposal(req: Request, book: Book | None, i: int) -> DraftTree:
     return tree
 
 
+class _Worker:
+    """A thread kept for turns (threads are made once, not every step: sixteen made and ended per step cost the
+    embedded pair's batched steps ~10 ms each and slowed the target's forward beside them)."""
+
+    def __init__(self) -> None:
+        self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
+        self.turn: _Turn | None = None
+        threading.Thread(target=self._loop, daemon=True, name="speculor-drafting").start()
+
+    def _loop(self) -> None:
+        while True:
+            self.go.acquire()
+            self.turn.run()
+            self.back.release()
+
+
+_idle: list[_Worker] = []  # workers between steps
+_idle_lock = threading.Lock()
+
+
+def _hire(n: int) -> list[_Worker]:
+    with _idle_lock:
+        hired = [_idle.pop() for _ in range(min(n, len(_idle)))]
+    return hired + [_Worker() for _ in range(n - len(hired))]
+
+
+def _release(workers: list[_Worker]) -> None:
+    with _idle_lock:
+        _idle.extend(workers)
+
+
 class _Turn:
-    """One job in its own thread, run a turn at a time: from its start or its last forward to its next forward
+    """One job on a worker thread, run a turn at a time: from its start or its last forward to its next forward
     (parked in `call`) or its end."""
 
-    def __init__(self, job: Callable[[], DraftTree]) -> None:
-        self.job = job
+    def __init__(self, job: Callable[[], DraftTree], worker: _Worker) -> None:
+        self.job, self.worker = job, worker
         self.modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # thread-local: the caller's
-        self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
         self.call: tuple[Model, Call] | None = None
         self.result: object = None
         self.tree: DraftTree | None = None
         self.error: BaseException | None = None
         self.done = self.aborted = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        worker.turn = self
 
-    def _run(self) -> None:
-        self.go.acquire()
+    def run(self) -> None:
+        """On the worker: the job, to its end (parking at each forward)."""
         try:
             if self.aborted:
                 raise _Abort("the step's drafting failed in another request")
@@ -141,12 +170,11 @@ class _Turn:
         except BaseException as exc:  # handed to the coordinating thread, which raises it
             self.error = exc
         self.done = True
-        self.back.release()
 
     def _park(self, model: Model, call: Call) -> object:
         self.call = (model, call)
-        self.back.release()
-        self.go.acquire()
+        self.worker.back.release()
+        self.worker.go.acquire()
         if self.aborted:
             raise _Abort("the step's drafting failed in another request")
         result, self.result, self.call = self.result, None, None
@@ -154,8 +182,8 @@ class _Turn:
 
     def turn(self) -> None:
         """Run this job until it parks a forward or ends."""
-        self.go.release()
-        self.back.acquire()
+        self.worker.go.release()
+        self.worker.back.acquire()
 
 
 class _Abort(SpeculorError):
@@ -166,7 +194,8 @@ def rendezvous(jobs: Sequence[Callable[[], DraftTree]], apart: bool,
                on_round: Callable[[int, int, int], None] | None = None) -> list[DraftTree]:
     """Run the jobs in turns, their lean forwards of each round batched per model (module docstring); their trees.
     on_round(round, job, rows) is told each job's rows in each round's forward."""
-    turns = [_Turn(job) for job in jobs]
+    workers = _hire(len(jobs))
+    turns = [_Turn(job, w) for job, w in zip(jobs, workers, strict=True)]
     live, rnd = list(turns), 0
     try:
         while live:
@@ -190,5 +219,5 @@ def rendezvous(jobs: Sequence[Callable[[], DraftTree]], apart: bool,
             if not t.done:  # a failed step: unpark the others so their threads end
                 t.aborted = True
                 t.turn()
-            t.thread.join()
+        _release(workers)
     return [t.tree for t in turns]
