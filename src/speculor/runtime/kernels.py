@@ -32,10 +32,10 @@ Rows apart (`scale_rows`, `Int8Linear.scaled`): fbgemm picks the activations' qu
 call's range, so one row's result depends on the rows beside it. Where that matters (a sampled request's draft rows
 stacked with other requests': its q, hence its sample, must follow from its own tokens) each row is divided by its
 own absmax a_i first and two sentinel rows of +1 and -1 join the call: every call then spans exactly [-1, 1], the
-step is the same in every call, and y_i = a_i · (W8 x_i / a_i) is computed from row i alone, bit for bit, at
-~15-20% more time a draft forward (the scaling ops; on the project CPU 30-34 ms -> 35-37 ms at one row). Its
-error against fp32 is that of per-row quantization (1.5e-2 on a 896->4864 draft matrix; one fbgemm call over
-16 rows of different scales 2.7e-2).
+step is the same in every call, and y_i = a_i · (W8 x_i / a_i) is computed from row i alone, bit for bit, at more
+time a draft forward (the scaling ops; embedded draft, project CPU: 32 -> 38 ms at 1 row, 35 -> 48 at 6, 50 -> 65
+at 16). Its error against fp32 is that of per-row quantization (1.5e-2 on a 896->4864 draft matrix; one fbgemm
+call over 16 rows of different scales 2.7e-2).
 
 Neither keeps the fp32 weight, so a packed model can no longer run plain nn.Linear arithmetic: transformers'
 generate (bench/peers.py) loads the untouched models again from disk for its call.
