@@ -1,7 +1,11 @@
 """`speculor bench --batch 1,4,16`: each strategy with B prompts decoded together (engine/batch.py).
 
 For every batch size B and strategy label L, the prompts are decoded in consecutive groups of B (each request with
-its own drafter and seed); a group's wall time runs from the first prefill to the last token. The summary entry
+its own drafter and seed); a group's wall time runs from the first prefill to the last token. The strategies take
+turns group by group, the one that goes first rotating from group to group: run strategy after strategy, a host
+whose memory bandwidth drifted over the run favoured whichever ran first (at B = 4, one group's plain decoding
+ran at 12-20 tokens/s within a run, and a strategy run third came out 15% below plain while decoding exactly as
+plain decoding does; interleaved, the two were level). The summary entry
 "L@B" holds the aggregate tokens/s (all tokens ÷ all group wall time), the speedup over `plain@1` of the same run,
 the decode-only figures (prefills taken out), greedy identity with `plain@1` prompt by prompt, τ, the mean tree
 size and the share of request-steps that drafted nothing (the batch-aware budget decoding plainly).
@@ -29,12 +33,15 @@ def run_batched(sp: Speculor, specs: list[Spec], prompts: list[Prompt], encoded:
     """Records: one per (B, strategy, prompt) with its tokens and steps, plus the group's wall time."""
     records = []
     bar = tqdm(total=len(sizes) * len(specs) * len(prompts), desc="bench --batch", unit="request")
+    shared = {spec.label: sp.strategy_for(spec.name, **spec.options) for spec in specs}
     for b in sizes:
-        for spec in specs:
-            shared = sp.strategy_for(spec.name, **spec.options)
-            for g in range(0, len(prompts), b):
+        for g in range(0, len(prompts), b):
+            k = (g // b) % len(specs)
+            for spec in specs[k:] + specs[:k]:  # the strategies take turns group by group, first in turn
+                shared_s = shared[spec.label]
                 idx = list(range(g, min(g + b, len(prompts))))
-                entries = [(shared.drafter() if shared is not None else None, encoded[i], cfg_of(i)) for i in idx]
+                entries = [(shared_s.drafter() if shared_s is not None else None, encoded[i], cfg_of(i))
+                           for i in idx]
                 stats = [Stats() for _ in idx]
                 out: list[list[int]] = [[] for _ in idx]
                 t0 = time.perf_counter()
