@@ -100,6 +100,8 @@ def test_bench_batch_writes_l_at_b_entries(pair, tmp_path, monkeypatch) -> None:
     args = _args("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--limit", "3", "--max-new-tokens", "10",
                  "--batch", "2,3", "--out", str(tmp_path))
     summary = bench.run(args, lambda a: pair)
+    peak = summary.pop("_peak_memory_gib")  # the run's, loading included
+    assert peak is None or peak > 0.01
     assert set(summary) == {f"{s}@{b}" for s in ("plain", "chain:k=2", "ngram") for b in (1, 2, 3)}  # no peer
     for key, s in summary.items():
         assert s["greedy_identical"] == 1.0 and s["n_prompts"] == 3 and s["new_tokens"] == 30, key

@@ -95,7 +95,8 @@ def _rates(rows: list[dict[str, Any]]) -> tuple[float, float]:
 def format_batched(summary: dict[str, Any]) -> str:
     lines = ["| strategy @ batch | tokens/s | speedup vs plain@1 | decode speedup | greedy identical | tau | tree "
              "| plain steps |", "|" + "---|" * 8]
-    for key, a in sorted(summary.items(), key=lambda kv: (kv[1]["batch"], kv[0])):
+    entries = {k: v for k, v in summary.items() if not k.startswith("_")}  # "_peak_memory_gib": the run's
+    for key, a in sorted(entries.items(), key=lambda kv: (kv[1]["batch"], kv[0])):
         ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
         lines.append(f"| {key} | {a['tokens_per_s']:.2f} | {cell(a, 'speedup', unit='x')} "
                      f"| {cell(a, 'decode_speedup', unit='x')} | {ident} | {cell(a, 'tau')} "

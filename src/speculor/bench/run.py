@@ -215,7 +215,10 @@ def _run_batched(args: Any, sp: Speculor, specs: list[Spec], prompts: list, enco
     cfg_of, greedy = sampling(args)
     records = run_batched(sp, specs, prompts, encoded, sorted(set(sizes) | {1}), cfg_of)
     summary = summarize_batched(records, greedy)
+    summary["_peak_memory_gib"] = peak_memory_gib(sp.pair.target.device)  # the whole run's, loading included
     print(format_batched(summary))
+    if summary["_peak_memory_gib"] is not None:
+        print(f"peak memory of the run (loading included): {summary['_peak_memory_gib']:.1f} GiB")
     if args.out:
         _write(Path(args.out), records, summary, args, format_batched, plots=False)
     return summary
