@@ -292,3 +292,24 @@ def test_prefill_chunks_do_not_depend_on_the_batch(pair):
     assert req.unfilled == 0 and req.cache.length == 8 and req.stats.steps == []
     whole = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3))
     assert torch.allclose(req.cache.layers[0].keys[..., :8, :], whole.cache.layers[0].keys[..., :8, :], atol=1e-5)
+
+
+def test_batch_aware_drafters_do_not_draft_while_a_prompt_is_filled_beside_them(pair):
+    """A prompt chunk in the step: batch-aware DySpec decodes plainly (its neighbour's fill is not held up by draft
+    rounds); the step after the fill it drafts again, and its tokens are its own throughout."""
+    target, draft = pair
+    cfg = SamplingConfig(max_new_tokens=12)
+    d = DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT)
+    running = batched_engine.Active(engine.start(target, d, PROMPTS[0], cfg), frozenset())
+    joiner = batched_engine.Active(engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=2),
+                                                prefill=False), frozenset())
+    batched_engine.step(target, [running])
+    assert not d.skipped  # alone: it drafts
+    batched_engine.step(target, [running, joiner], chunk=4)
+    assert d.skipped and d.forwards == 0 and joiner.req.unfilled > 0
+    while joiner.req.unfilled:
+        batched_engine.step(target, [running, joiner], chunk=4)
+    batched_engine.step(target, [running])
+    assert not d.skipped
+    want = [t.id for t in engine.stream(target, None, PROMPTS[0], cfg)]
+    assert running.req.seq[len(PROMPTS[0]):] == want[:len(running.req.seq) - len(PROMPTS[0])]

@@ -59,14 +59,16 @@ class BatchLedger:
     """What the other requests of a batched step commit the batch to, as one batch-aware drafter (`batch_aware =
     True`, given it as `ledger`) sees it: target rows (1 + tree size each, a prompt chunk's rows), expected tokens
     (1 + Σ node values each, 1 where unknown), their rows in each of the step's batched draft forwards, and
-    `pending` requests counted as a root row and a token each. The batched engine hands out a live one
-    (engine/drafting.py `Seat`) that the drafter tells how far its own tree has grown (`publish`); this one is fixed.
+    `pending` requests counted as a root row and a token each; `filling`: some request's prompt chunk is in the
+    step. The batched engine hands out a live one (engine/drafting.py `Seat`) that the drafter tells how far its own
+    tree has grown (`publish`); this one is fixed.
     """
 
     rows: int = 0
     tokens: float = 0.0
     draft_rows: Sequence[int] = ()
     pending: int = 0
+    filling: bool = False  # prompt chunks share the step: their requests wait for it, so nothing drafts
 
     def publish(self, rows: int, tokens: float) -> None:
         """The drafter's own tree so far: `rows` target rows (root included), `tokens` expected tokens."""

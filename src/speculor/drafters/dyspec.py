@@ -289,13 +289,12 @@ class DySpecDrafter:
 
     def _speculation_pays(self, seq: list[int]) -> bool:
         """In a batch: is a first draft token (catch-up forward included) worth its rows to the batch, at the rate
-        first tokens were accepted so far? When not, the request decodes plainly this step.
-
-        With other requests in the batch the catch-up is priced at what it feeds: every token committed since the
-        draft cache last saw the sequence (one after a drafted step; more after plain ones). Priced at one row, a
-        request that had decoded plainly for a while would now and then draft for a step, pay a catch-up of tens of
-        rows (~140 ms for ~50 on the embedded draft) and go back to plain decoding (measured at 4 requests: one
-        generation in ten of its decoding time). Alone, the catch-up buys the rest of its generation: one row."""
+        first tokens were accepted so far? When not, the request decodes plainly this step. Beside other requests
+        the catch-up is priced at the tokens it feeds (all those committed since the request last drafted; alone it
+        buys the rest of the generation: one row), and nothing drafts while a prompt chunk is in the step
+        (docs/algorithms.md §11.1, with the measurements)."""
+        if self.ledger.filling:
+            return False
         behind = len(seq) - min(self.cache.length, len(seq) - 1)  # what `catch_up` would feed
         crowd = self.ledger.rows + self.ledger.pending > 0
         return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1, self._t_draft(behind if crowd else 1), self.ledger)

@@ -199,6 +199,8 @@ class SequoiaPlans:
 
             (T_o + F(T)) / (D_o + draft(T) + t_target(R_o + |T| + 1))   against   (T_o + 1) / (D_o + t_target(R_o + 1))
         """
+        if ledger.filling:  # prompt chunks in the step: drafting would hold up their requests (dyspec.py)
+            return None
         r_o, t_o = ledger.rows + ledger.pending, ledger.tokens + ledger.pending  # a request to come: its root
         d_o = ledger.draft_s(self.cost.t_draft)
         best, best_rate = None, (t_o + 1) / (d_o + self.cost.t_target(r_o + 1))

@@ -76,6 +76,10 @@ class Seat(BatchLedger):
         return sum(self.book.tokens) - self.book.tokens[self.i]
 
     @property
+    def filling(self) -> bool:
+        return self.book.extra > 0
+
+    @property
     def draft_rows(self) -> list[int]:
         return [sum(r) - r[self.i] for r in self.book.draft]
 
