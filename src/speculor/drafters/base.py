@@ -78,7 +78,6 @@ class BatchLedger:
         return sum(t_draft(r) for r in self.draft_rows if r > 0)
 
 
-
 @dataclass(frozen=True)
 class Shared:
     """A strategy whose shared part is its models and options alone: `make` builds a request's drafter from them."""

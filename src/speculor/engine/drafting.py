@@ -19,8 +19,8 @@ seed gives the same text in `generate`, `bench` and `serve`. Greedy steps keep t
 gives the target's own tokens at temperature 0.
 
 The batch-aware budget (docs/algorithms.md §11.1) reads a live `Seat` of the step's `Book`: the other requests'
-target rows and expected tokens as their trees stand now, and their rows in each round's draft forward, so a draft
-row is priced at what it adds to a forward that the batch makes anyway.
+target rows and expected tokens as their trees stand now, and their rows in each round's draft forward (the
+others' draft seconds); a request's own draft forwards are priced at their cost alone (drafters/dyspec.py).
 """
 
 from __future__ import annotations
@@ -200,6 +200,7 @@ def rendezvous(jobs: Sequence[Callable[[], DraftTree]], apart: bool,
     on_round(round, job, rows) is told each job's rows in each round's forward."""
     workers = _hire(len(jobs))
     turns = [_Turn(job, w) for job, w in zip(jobs, workers, strict=True)]
+    index = {id(t): j for j, t in enumerate(turns)}
     live, rnd = list(turns), 0
     try:
         while live:
@@ -216,7 +217,7 @@ def rendezvous(jobs: Sequence[Callable[[], DraftTree]], apart: bool,
                 for t, result in zip(group, results, strict=True):
                     t.result = result
                     if on_round is not None:
-                        on_round(rnd, turns.index(t), len(t.call[1].tokens))
+                        on_round(rnd, index[id(t)], len(t.call[1].tokens))
             rnd += 1
     finally:
         for t in turns:

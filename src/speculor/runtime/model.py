@@ -64,9 +64,9 @@ class Model:
         route = getattr(_routes, "hook", None)
         if route is not None and self.lean is not None:  # a request proposing under engine/drafting.py
             return route(self, Call(cache, tokens, parents, hidden, append, last))
-        tokens, region, b = _open(cache, tokens, parents, append)
         if self.lean is not None:
-            return self._lean_forward(cache, tokens, region, b, hidden, last)
+            return self.forward_many([Call(cache, tokens, parents, hidden, append, last)])[0]
+        tokens, region, b = _open(cache, tokens, parents, append)
         out = self.model(
             input_ids=tokens[None].to(self.device),
             position_ids=position_ids(region, cache.length)[:, b:].to(self.device),
@@ -79,15 +79,6 @@ class Model:
         cache.pending = region
         logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
         return (logits, out.hidden_states[-1][0]) if hidden else logits
-
-    def _lean_forward(self, cache: KVCache, tokens: torch.Tensor, region: torch.Tensor, b: int, hidden: bool,
-                      last: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        mask = attention_mask(region, cache.length, self.dtype)[0, 0, b:]  # [n, kv]
-        logits, h = self.lean(cache, tokens.to(self.device), position_ids(region, cache.length)[0, b:].to(self.device),
-                              mask.to(self.device) if mask.any() else None, last=last, hidden=hidden)  # all 0: no mask
-        cache.pending = region
-        logits = _fit_vocab(logits.float(), self.vocab_size)
-        return (logits, h) if hidden else logits
 
     @torch.inference_mode()
     def forward_many(self, calls: Sequence[Call], *, apart: bool = False) -> list:
