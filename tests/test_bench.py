@@ -98,18 +98,21 @@ def test_bench_batch_writes_l_at_b_entries(pair, tmp_path, monkeypatch) -> None:
     prompts = [Prompt(f"p/{i}", "mtbench", "writing", TEXTS[i % len(TEXTS)], True) for i in range(3)]
     monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
     args = _args("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--limit", "3", "--max-new-tokens", "10",
-                 "--batch", "2,3", "--out", str(tmp_path))
+                 "--batch", "2,3", "--rounds", "2", "--out", str(tmp_path))
     summary = bench.run(args, lambda a: pair)
     peak = summary.pop("_peak_memory_gib")  # the run's, loading included
     assert peak is None or peak > 0.01
     assert set(summary) == {f"{s}@{b}" for s in ("plain", "chain:k=2", "ngram") for b in (1, 2, 3)}  # no peer
     for key, s in summary.items():
         assert s["greedy_identical"] == 1.0 and s["n_prompts"] == 3 and s["new_tokens"] == 30, key
-        assert s["tokens_per_s"] > 0 and s["speedup"] > 0
+        assert s["rounds"] == 2 and s["tokens_per_s_min"] <= s["tokens_per_s"] <= s["tokens_per_s_max"], key
+        assert s["speedup_min"] <= s["speedup"] <= s["speedup_max"] and s["vs_plain_min"] <= s["vs_plain"], key
     assert summary["plain@1"]["speedup"] == pytest.approx(1.0) and summary["plain@3"]["plain_steps"] == 1.0
+    assert summary["plain@2"]["vs_plain_min"] == summary["plain@2"]["vs_plain_max"] == pytest.approx(1.0)
     assert 1 <= summary["chain:k=2@3"]["tau"] <= 3 and summary["chain:k=2@3"]["mean_tree_size"] == 2
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * 3 * 3 and {r["group_size"] for r in records if r["batch"] == 2} == {1, 2}
+    assert len(records) == 2 * 3 * 3 * 3 and {r["group_size"] for r in records if r["batch"] == 2} == {1, 2}
+    assert {r["round"] for r in records} == {0, 1}
     assert "| chain:k=2@3 |" in (tmp_path / "table.md").read_text()
 
 

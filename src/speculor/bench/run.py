@@ -213,7 +213,7 @@ def _run_batched(args: Any, sp: Speculor, specs: list[Spec], prompts: list, enco
     if any(b < 1 for b in sizes):
         raise SpeculorError(f"--batch takes batch sizes >= 1, got {args.batch!r}")
     cfg_of, greedy = sampling(args)
-    records = run_batched(sp, specs, prompts, encoded, sorted(set(sizes) | {1}), cfg_of)
+    records = run_batched(sp, specs, prompts, encoded, sorted(set(sizes) | {1}), cfg_of, args.rounds)
     summary = summarize_batched(records, greedy)
     summary["_peak_memory_gib"] = peak_memory_gib(sp.pair.target.device)  # the whole run's, loading included
     print(format_batched(summary))

@@ -243,8 +243,8 @@ class DySpecDrafter:
         self.expected_tokens = 1.0  # 1 + Σ v of the last proposal
         self.first_rate = FIRST_RATE  # moving average of steps whose first draft token was accepted
         self.skipped = False  # the last step drafted nothing (the batch is better off decoding this request plainly)
-        self.estimate = (1, 1.0)  # (rows, tokens) of the last tree drafted: what the batch counts this request as
-        # while its tree is still growing
+        self.estimate = (1, 1.0)  # (rows, tokens) of the last tree (none: a root): what the batch counts this
+        # request as while its tree is still growing
 
     @property
     def auto(self) -> bool:
@@ -259,6 +259,8 @@ class DySpecDrafter:
         if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
             self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
             self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
+            self.estimate = (1, 1.0)  # no tree is its last tree: the batch counts it as its root from now on
+            self.ledger.publish(*self.estimate)
             return EMPTY
         g = Growth(draft_s=self._t_draft(1))
         self._publish(g)
@@ -289,15 +291,16 @@ class DySpecDrafter:
 
     def _speculation_pays(self, seq: list[int]) -> bool:
         """In a batch: is a first draft token (catch-up forward included) worth its rows to the batch, at the rate
-        first tokens were accepted so far? When not, the request decodes plainly this step. Beside other requests
-        the catch-up is priced at the tokens it feeds (all those committed since the request last drafted; alone it
-        buys the rest of the generation: one row), and nothing drafts while a prompt chunk is in the step
-        (docs/algorithms.md §11.1, with the measurements)."""
+        first tokens were accepted so far? When not, the request decodes plainly this step. The draft's prefill (its
+        cache still empty) and, alone, any catch-up buy the rest of the generation: one row. Beside other requests a
+        request back from plain decoding pays for the tokens it skipped: its catch-up is priced at all it feeds. And
+        nothing drafts while a prompt chunk is in the step (docs/algorithms.md §11.1, with the measurements)."""
         if self.ledger.filling:
             return False
         behind = len(seq) - min(self.cache.length, len(seq) - 1)  # what `catch_up` would feed
-        crowd = self.ledger.rows + self.ledger.pending > 0
-        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1, self._t_draft(behind if crowd else 1), self.ledger)
+        returning = self.cache.length > 0 and self.ledger.rows + self.ledger.pending > 0
+        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1, self._t_draft(behind if returning else 1),
+                     self.ledger)
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
