@@ -192,17 +192,16 @@ def test_batch_aware_dyspec_decodes_plainly_under_load(pair):
 
 
 def test_in_a_crowd_a_request_far_behind_prices_its_whole_catch_up(pair):
-    """The draft's prefill is priced at one row, in a crowd too (it buys the rest of the generation). A draft cache
-    left 40 tokens behind: beside one other request the catch-up (40 rows) does not pay, so it decodes plainly and
-    the batch counts it as a root from then on; alone the catch-up buys the rest of the generation and it drafts;
-    once caught up it drafts beside the other."""
+    """A draft cache 40 tokens behind (after a step alone): beside one other request the catch-up (40 rows) does
+    not pay, so it decodes plainly and the batch counts it as a root from then on; alone the catch-up buys the rest
+    of the generation and it drafts; once caught up it drafts beside the other."""
     from speculor.core.verify import Verdict
 
     _, draft = pair
     d = DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT)
-    seq = [(7 * i) % VOCAB for i in range(40)]
-    d.ledger = BatchLedger(rows=1, tokens=1.0)
-    assert len(d.propose(seq, SamplingConfig(), None)) >= 1 and not d.skipped and d.estimate[0] > 1  # the prefill
+    seq = [(7 * i) % VOCAB for i in range(4)]
+    d.ledger = BatchLedger()
+    assert len(d.propose(seq, SamplingConfig(), None)) >= 1 and not d.skipped and d.estimate[0] > 1
     d.observe(len(seq), Verdict([], 5))
     seq = seq + [5] + [(3 * i) % VOCAB for i in range(40)]
     d.ledger = BatchLedger(rows=1, tokens=1.0)

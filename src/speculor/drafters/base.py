@@ -88,10 +88,15 @@ class Shared:
         return self.make()
 
 
+def behind(cache: KVCache, seq: list[int]) -> int:
+    """How many tokens `catch_up` would feed: the committed ones the draft cache lacks, at least the root."""
+    return len(seq) - min(cache.length, len(seq) - 1)
+
+
 def catch_up(model: Model, cache: KVCache, seq: list[int]) -> torch.Tensor:
     """Feed the committed tokens the draft cache lacks (always at least the root); logits of the root."""
     cache.trim(len(seq) - 1)
-    pending = seq[cache.length:]
+    pending = seq[-behind(cache, seq):]
     logits = model.forward(cache, pending, last=True)[-1]
     cache.keep(list(range(len(pending))))
     return logits

@@ -40,7 +40,7 @@ from speculor.config import SamplingConfig, check_int, is_int, is_num
 from speculor.core.sampling import check_finite, sample, warp
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import BatchLedger, Shared, catch_up, feed, keep_fed_path
+from speculor.drafters.base import BatchLedger, Shared, behind, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
 from speculor.runtime.cost import CostModel, machine_cost
 from speculor.runtime.loading import Pair
@@ -291,16 +291,16 @@ class DySpecDrafter:
 
     def _speculation_pays(self, seq: list[int]) -> bool:
         """In a batch: is a first draft token (catch-up forward included) worth its rows to the batch, at the rate
-        first tokens were accepted so far? When not, the request decodes plainly this step. The draft's prefill (its
-        cache still empty) and, alone, any catch-up buy the rest of the generation: one row. Beside other requests a
-        request back from plain decoding pays for the tokens it skipped: its catch-up is priced at all it feeds. And
-        nothing drafts while a prompt chunk is in the step (docs/algorithms.md §11.1, with the measurements)."""
+        first tokens were accepted so far? When not, the request decodes plainly this step. Alone, the catch-up buys
+        the rest of the generation: one row. Beside other requests it is priced at all it feeds (the whole prompt
+        for a draft cache still empty): a draft round paid for one request is paid by the whole batch, and
+        requests that drafted now and then decoded below batched plain decoding. Nothing drafts while a prompt chunk
+        is in the step (docs/algorithms.md §11.1, with the measurements)."""
         if self.ledger.filling:
             return False
-        behind = len(seq) - min(self.cache.length, len(seq) - 1)  # what `catch_up` would feed
-        returning = self.cache.length > 0 and self.ledger.rows + self.ledger.pending > 0
-        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1, self._t_draft(behind if returning else 1),
-                     self.ledger)
+        crowd = self.ledger.rows + self.ledger.pending > 0
+        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1,
+                     self._t_draft(behind(self.cache, seq) if crowd else 1), self.ledger)
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
