@@ -228,7 +228,6 @@ def test_batch_aware_dyspec_with_batched_drafts_keeps_greedy_output(models) -> N
     assert run_batch(target, [lambda: DySpecDrafter(draft, opts, FLAT)] * 6, prompts, [cfg] * 6) == want
 
 
-
 def test_jobs_run_in_the_callers_grad_and_inference_modes() -> None:
     """Grad and inference modes are thread-local: each job's thread takes the caller's."""
     with torch.inference_mode():

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from speculor.api import Speculor
 from speculor.bench.prompts import Prompt
 from speculor.bench.run import Spec
-from speculor.bench.summary import by_round, cell
+from speculor.bench.summary import by_round, cell, spread, with_spread
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
 from speculor.engine.batch import generate
@@ -40,8 +40,8 @@ def run_batched(sp: Speculor, specs: list[Spec], prompts: list[Prompt], encoded:
         for b in sizes:
             for g in range(0, len(prompts), b):
                 k = (g // b + rnd) % len(specs)
+                idx = list(range(g, min(g + b, len(prompts))))
                 for spec in specs[k:] + specs[:k]:  # the strategies take turns group by group, first in turn
-                    idx = list(range(g, min(g + b, len(prompts))))
                     records += _group(sp, shared[spec.label], [encoded[i] for i in idx], [cfg_of(i) for i in idx],
                                       [prompts[i] for i in idx], {"strategy": spec.label, "batch": b,
                                                                   "group": g // b, "round": rnd})
@@ -85,11 +85,11 @@ def summarize_batched(records: list[dict[str, Any]], greedy: bool) -> dict[str, 
         out[key] = {"strategy": rows[0]["strategy"], "batch": rows[0]["batch"], "rounds": len(per_round),
                     "n_prompts": len({r["prompt_id"] for r in rows}),
                     "new_tokens": sum(r["new_tokens"] for r in rows) // len(per_round),
-                    **_spread("tokens_per_s", [tps for tps, _ in per_round.values()]),
-                    **_spread("speedup", _ratios(per_round, base, 0)),
-                    **_spread("vs_plain", _ratios(per_round, plain_b, 0)),
+                    **spread("tokens_per_s", [tps for tps, _ in per_round.values()]),
+                    **spread("speedup", _ratios(per_round, base, 0)),
+                    **spread("vs_plain", _ratios(per_round, plain_b, 0)),
                     "decode_tokens_per_s": statistics.median(d for _, d in per_round.values()),
-                    "decode_speedup": _median(_ratios(per_round, base, 1)),
+                    **spread("decode_speedup", _ratios(per_round, base, 1)),
                     "greedy_identical": (sum(r["token_ids"] == ref.get(r["prompt_id"]) for r in rows) / len(rows)
                                          if greedy and ref else None),
                     "tau": sum(a + 1 for a in steps) / len(steps) if steps else None,
@@ -101,14 +101,6 @@ def summarize_batched(records: list[dict[str, Any]], greedy: bool) -> dict[str, 
 def _ratios(mine: dict[int, tuple[float, float]], ref: dict[int, tuple[float, float]], k: int) -> list[float]:
     """Per round where both ran: rate k of `mine` ÷ rate k of `ref` (k = 0 end to end, 1 decode only)."""
     return [mine[r][k] / ref[r][k] for r in mine if r in ref and ref[r][k] > 0]
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _spread(name: str, xs: list[float]) -> dict[str, float | None]:
-    return {name: _median(xs), f"{name}_min": min(xs, default=None), f"{name}_max": max(xs, default=None)}
 
 
 def _rates(rows: list[dict[str, Any]]) -> tuple[float, float]:
@@ -126,18 +118,10 @@ def format_batched(summary: dict[str, Any]) -> str:
     entries = {k: v for k, v in summary.items() if not k.startswith("_")}  # "_peak_memory_gib": the run's
     for key, a in sorted(entries.items(), key=lambda kv: (kv[1]["batch"], kv[0])):
         ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
-        lines.append(f"| {key} | {a['tokens_per_s']:.2f} | {_with_spread(a, 'speedup')} "
-                     f"| {_with_spread(a, 'vs_plain')} | {cell(a, 'decode_speedup', unit='x')} | {ident} "
+        lines.append(f"| {key} | {a['tokens_per_s']:.2f} | {with_spread(a, 'speedup')} "
+                     f"| {with_spread(a, 'vs_plain')} | {cell(a, 'decode_speedup', unit='x')} | {ident} "
                      f"| {cell(a, 'tau')} | {cell(a, 'mean_tree_size', '.1f')} | {cell(a, 'plain_steps', '.0%')} |")
     return "\n".join(lines)
-
-
-def _with_spread(a: dict[str, Any], key: str) -> str:
-    """median, and (min–max) over rounds when there were several."""
-    text = cell(a, key, unit="x")
-    if a.get("rounds", 1) > 1 and a.get(f"{key}_min") is not None:
-        text += f" ({a[f'{key}_min']:.2f}–{a[f'{key}_max']:.2f})"
-    return text
 
 
 def sampling(args: Any):

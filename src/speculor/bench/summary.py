@@ -55,10 +55,7 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
     speedups = round_ratios(rows, base)
     n_rounds = max(len(rounds), 1)
     agg: dict[str, Any] = {
-        "tokens_per_s": statistics.median(tps) if tps else 0.0,
-        "tokens_per_s_min": min(tps, default=0.0), "tokens_per_s_max": max(tps, default=0.0),
-        "speedup": statistics.median(speedups) if speedups else None,
-        "speedup_min": min(speedups, default=None), "speedup_max": max(speedups, default=None),
+        **spread("tokens_per_s", tps, empty=0.0), **spread("speedup", speedups),
         "speedup_by_round": speedups, "rounds": len(rounds),
         "n_prompts": len({r["prompt_id"] for r in rows}),
         "new_tokens": sum(r["new_tokens"] for r in rows) // n_rounds,
@@ -116,9 +113,7 @@ def format_table(summary: dict[str, Any]) -> str:
             parts = ("prefill_s", "draft_s", "verify_s")
             split_s = "-" if not split else " / ".join(
                 [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
-            speed = cell(a, "speedup", unit="x")
-            if a.get("rounds", 1) > 1 and a.get("speedup_min") is not None:
-                speed += f" ({a['speedup_min']:.2f}–{a['speedup_max']:.2f})"
+            speed = with_spread(a, "speedup")
             predicted = cell(a, "predicted_speedup", unit="x")
             if a.get("model_check"):
                 predicted += f" {a['model_check']}"
@@ -127,6 +122,20 @@ def format_table(summary: dict[str, Any]) -> str:
                          f"| {predicted} | {cell(a, 'decode_speedup', unit='x')} | {ident} "
                          f"| {split_s} | {cell(a, 'peak_memory_gib', '.1f')} |")
     return "\n".join(lines)
+
+
+def spread(name: str, xs: list[float], empty: float | None = None) -> dict[str, float | None]:
+    """`name`: the median over rounds, `name_min`, `name_max`: their spread (`empty` where there is none)."""
+    return {name: statistics.median(xs) if xs else empty, f"{name}_min": min(xs, default=empty),
+            f"{name}_max": max(xs, default=empty)}
+
+
+def with_spread(agg: dict[str, Any], key: str) -> str:
+    """A ratio's cell: its median, and (min–max) over rounds when there were several."""
+    text = cell(agg, key, unit="x")
+    if agg.get("rounds", 1) > 1 and agg.get(f"{key}_min") is not None:
+        text += f" ({agg[f'{key}_min']:.2f}–{agg[f'{key}_max']:.2f})"
+    return text
 
 
 def cell(agg: dict[str, Any], key: str, fmt: str = ".2f", unit: str = "") -> str:
