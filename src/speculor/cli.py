@@ -15,7 +15,14 @@ from speculor.errors import SpeculorError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
     p.add_argument("--draft", default="default", help="draft model: 'default', a folder, a .gguf file, 'none'")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="the models' weights and arithmetic (auto: bfloat16 on cuda, float32 on cpu); greedy output "
+                   "equals the target's own only where both run in the same dtype, float32 for a bitwise check")
+    p.add_argument("--offload", action="store_true",
+                   help="keep the target's weights in (pinned) CPU memory and stream them to --device for each "
+                   "forward (accelerate's cpu_offload); the draft stays on the device. A forward then costs about the "
+                   "same for 1 or hundreds of rows: large trees pay most")
     p.add_argument("--kernels", choices=("fast", "eager"), default="fast",
                    help="fast: the target's matmuls through oneDNN weights prepacked once, the draft with int8 weights "
                    "and a lean forward, each fp32 weight released (CPU, fp32; ~7 GiB for the embedded pair); eager: "

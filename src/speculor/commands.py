@@ -52,12 +52,15 @@ def load_pair_from_args(args: Args):
 
     from speculor.runtime.loading import load_pair
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    name = getattr(args, "dtype", "auto")
+    if name == "auto":
+        name = "bfloat16" if args.device.startswith("cuda") else "float32"
     draft = None if args.draft == "none" else args.draft
     kernels = getattr(args, "kernels", "fast")
     fast = kernels == "fast"
-    return load_pair(args.target, draft, device=args.device, dtype=dtype, packed=fast, draft_int8=fast,
-                     draft_vocab=getattr(args, "draft_vocab", None))
+    return load_pair(args.target, draft, device=args.device, dtype=getattr(torch, name), packed=fast,
+                     draft_int8=fast, draft_vocab=getattr(args, "draft_vocab", None),
+                     offload=getattr(args, "offload", False))
 
 
 def cmd_generate(args: Args) -> None:

@@ -58,6 +58,35 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
     return model, tokenizer
 
 
+def check_device(device: str, offload: bool = False) -> None:
+    """Refuse a device torch cannot use here, and offloading with nowhere to stream to."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise SpeculorError(f"unknown device {device!r}: give cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpeculorError(f"device {device!r}: this torch build or machine has no CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise SpeculorError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if offload and dev.type == "cpu":
+        raise SpeculorError("--offload streams the target's weights from CPU memory to a GPU: give --device cuda")
+
+
+def offload_to(model: torch.nn.Module, device: str) -> None:
+    """Weights in pinned CPU memory, copied to `device` module by module as each one runs and dropped after
+    (accelerate's hooks; the parameters themselves become meta tensors). One forward then moves every weight
+    once, whatever its number of rows: the regime where Sequoia's large trees pay most."""
+    from accelerate import cpu_offload
+
+    pinned: dict[int, torch.Tensor] = {}  # one copy of a tied weight (embedding = head)
+    weights = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in pinned:
+            pinned[t.data_ptr()] = t.pin_memory() if torch.device(device).type == "cuda" else t
+        weights[name] = pinned[t.data_ptr()]
+    cpu_offload(model, execution_device=torch.device(device), state_dict=weights)
+
+
 def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
     """Refuse a draft whose token ↔ id mapping differs from the target's."""
     vt, vd = target_tok.get_vocab(), draft_tok.get_vocab()
@@ -70,7 +99,7 @@ def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
 
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
               dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True,
-              draft_vocab: int | None = None, lean_draft: bool = True) -> Pair:
+              draft_vocab: int | None = None, lean_draft: bool = True, offload: bool = False) -> Pair:
     """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
@@ -81,17 +110,21 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     as any draft is, docs/algorithms.md §1.1); None or 0: the full vocabulary.
     lean_draft: with int8 draft kernels, run the draft through lean.py's forward (Qwen2/Llama-style drafts; the same
     logits, 4-17% less time a forward).
+    offload: keep the target's weights in pinned CPU memory and stream them to `device` for each forward (`offload`).
     """
+    check_device(device, offload)
     if draft_vocab:
         if draft is None:
             raise SpeculorError("--draft-vocab restricts the draft model's vocabulary: it needs a draft")
         draft_vocab_check(draft_vocab)  # before the models are loaded
     target = embedded.DEFAULT_TARGET if target == "default" else target
     draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
-    t_model, tokenizer = load_model(target, device=device, dtype=dtype)
-    if packed:
+    t_model, tokenizer = load_model(target, device="cpu" if offload else device, dtype=dtype)
+    if offload:
+        offload_to(t_model, device)
+    elif packed:
         pack_linears(t_model, PackedLinear)
-    t_lm = Model(t_model)
+    t_lm = Model(t_model, device=device)
     d_lm = None
     if draft is not None:
         d_model, d_tok = load_model(draft, device=device, dtype=dtype)

@@ -32,11 +32,12 @@ class Model:
     """A transformers causal LM shared by every request: runs a block of tokens against a request's `KVCache`."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, *,
-                 lean: bool | LeanDecoder = False) -> None:
+                 lean: bool | LeanDecoder = False, device: str | torch.device | None = None) -> None:
         """lean=True (or a `LeanDecoder` of `model`, e.g. with fuse=True): run `forward` through lean.py's forward
-        (the same logits up to summation order, less overhead; for a draft)."""
+        (the same logits up to summation order, less overhead; for a draft). device: where the forward runs, by
+        default where the weights are (offloaded weights are meta tensors: their forward runs on the GPU given)."""
         self.model = model.eval()
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         head = model.get_output_embeddings()  # an nn.Linear, or a packed one without its fp32 weight (kernels.py)
         self.vocab_size = vocab_size or getattr(head, "out_features", None) or head.weight.shape[0]
