@@ -53,6 +53,29 @@ def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
     assert saved["_run"]["strategies"] == "chain:k=2,plain,ngram,hf-assisted" and "chain:k=2" in saved
     assert "| chain:k=2 | 0.0 |" in (tmp_path / "table.md").read_text()
     assert any(p.suffix == ".png" for p in tmp_path.iterdir())
+    assert not (tmp_path / "records.partial.jsonl").exists()  # a finished run keeps its records in one file
+
+
+def test_a_run_stopped_early_keeps_its_records(pair, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: [Prompt("p", "mtbench", "w", TEXTS[0], True)])
+    monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path / "cache"))
+    done, run_one = [], bench.run_one
+
+    def stopped_after_three(*a, **k):
+        if len(done) == 3:
+            raise KeyboardInterrupt  # e.g. `timeout` or Ctrl-C in the fourth generation
+        done.append(1)
+        return run_one(*a, **k)
+
+    monkeypatch.setattr(bench, "run_one", stopped_after_three)
+    monkeypatch.setattr(bench, "_warm_up", lambda *a: None)  # its generations are not records
+    args = _args("--strategies", "plain,chain:k=2", "--limit", "1", "--max-new-tokens", "6", "--rounds", "3",
+                 "--out", str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(args, lambda a: pair)
+    kept = [json.loads(line) for line in (tmp_path / "records.partial.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in kept] == [0, 0, 1] and not (tmp_path / "records.jsonl").exists()
+    assert {r["strategy"] for r in kept} == {"plain", "chain:k=2"} and all(r["new_tokens"] == 6 for r in kept)
 
 
 def test_quick_fills_only_what_was_not_given() -> None:

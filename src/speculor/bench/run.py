@@ -170,9 +170,14 @@ def run(args: Any, load_pair) -> dict[str, Any]:
 
 def _run_rounds(sp: Speculor, specs: list[Spec], prompts: list, encoded: list[list[int]], temps: list[float],
                 args: Any) -> list[dict[str, Any]]:
-    """Every (temperature, prompt, strategy) once per round; the strategies' order shuffled per prompt and round."""
+    """Every (temperature, prompt, strategy) once per round; the strategies' order shuffled per prompt and round.
+    With --out, each record is also appended to records.partial.jsonl as it comes: a run stopped early keeps them."""
     device = sp.pair.target.device
     records = []
+    partial = Path(args.out) / "records.partial.jsonl" if getattr(args, "out", None) else None
+    if partial:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
     bar = tqdm(total=args.rounds * len(temps) * len(prompts) * len(specs), desc="bench", unit="gen")
     for rnd in range(args.rounds):
         rng = random.Random(args.seed + rnd)
@@ -191,6 +196,9 @@ def _run_rounds(sp: Speculor, specs: list[Spec], prompts: list, encoded: list[li
                             "category": prompt.category, "new_tokens": len(rec["token_ids"]), "round": rnd,
                             "position": pos, "peak_memory_gib": peak_memory_gib(device)}
                     records.append(rec)
+                    if partial:
+                        with partial.open("a") as f:
+                            f.write(json.dumps(rec) + "\n")
                     bar.update()
     bar.close()
     return records
@@ -257,6 +265,7 @@ def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], ar
     with (out / "records.jsonl").open("w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    (out / "records.partial.jsonl").unlink(missing_ok=True)  # the whole run is in records.jsonl now
     meta = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
     (out / "summary.json").write_text(json.dumps({**summary, **(extra or {}), "_run": meta}, indent=2))
     (out / "table.md").write_text((table or format_table)(summary) + "\n")
