@@ -255,3 +255,26 @@ def test_generate_prints_the_peak_memory(json_out, monkeypatch, capsys) -> None:
     assert line.startswith("peak resident memory: ")
     if Path("/proc/self/status").exists():
         assert 0.05 < float(line.removeprefix("peak resident memory: ").removesuffix(" GiB")) < 1024
+
+
+REFUSED_DEVICES = [(["--offload"], "--offload streams"), (["--device", "gpu"], "unknown device"),
+                   (["--device", "cuda:99"], "cuda:99")]
+
+
+@pytest.mark.parametrize(("argv", "message"), REFUSED_DEVICES)
+def test_a_device_that_cannot_run_is_refused_before_loading(argv, message, capsys) -> None:
+    assert cli.main(["generate", "--prompt", "hi", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dtype_reaches_the_loader(monkeypatch) -> None:
+    import torch
+
+    from speculor import commands
+
+    seen = {}
+    monkeypatch.setattr("speculor.runtime.loading.load_pair", lambda *a, **k: seen.update(k))
+    for device, dtype, expected in (("cpu", "auto", torch.float32), ("cuda", "auto", torch.bfloat16),
+                                    ("cuda", "float32", torch.float32), ("cpu", "float16", torch.float16)):
+        commands.load_pair_from_args(types.SimpleNamespace(target="t", draft="d", device=device, dtype=dtype))
+        assert seen["dtype"] is expected and seen["offload"] is False, (device, dtype)
