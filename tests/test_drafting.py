@@ -13,7 +13,7 @@ from test_lean import tiny
 
 from speculor import SamplingConfig, engine
 from speculor.drafters.base import BatchLedger, ChainDrafter, NgramDrafter, TreeDrafter
-from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions, worth
 from speculor.engine import drafting
 from speculor.engine.drafting import Book, rendezvous
 from speculor.errors import SpeculorError
@@ -235,3 +235,65 @@ def test_jobs_run_in_the_callers_grad_and_inference_modes() -> None:
     assert rendezvous([torch.is_inference_mode_enabled] * 2, apart=False) == [False, False]
     with torch.no_grad():
         assert rendezvous([torch.is_grad_enabled] * 2, apart=False) == [False, False]
+
+
+# ---------------------------------------------------------------- joint rounds: each draft round priced once
+
+# the embedded pair's shape on the project CPU: a target forward ~flat to 8 rows, a draft round ~30 ms for 1 row and
+# ~36 ms for 8: most of a round is paid whoever drafts in it
+ROUNDS = CostModel((1, 8, 64), (0.234, 0.282, 1.2), (1, 8, 64), (0.030, 0.036, 0.2))
+
+
+def test_settle_prices_a_round_once_for_all_its_bids() -> None:
+    book = Book(4)
+    bids = [drafting.Bid(book, ROUNDS, 0.3, 1, 1) for _ in range(4)]
+    assert drafting.settle(bids) == [True] * 4  # (4 + 1.2) / (36 ms + t(8)) beats 4 / t(4)
+    # negative control: the same bid priced alone, as the request-by-request rule prices it, does not pay
+    assert not worth(ROUNDS, 0, 0.0, 0.0, 0.3, 1, ROUNDS.t_draft(1), book.seat(0))
+    assert drafting.settle(bids[:1]) == [False]  # one bid carries the whole round: it does not pay either
+    assert drafting.settle([drafting.Bid(book, ROUNDS, 0.02, 1, 1) for _ in range(4)]) == [False] * 4
+
+
+def test_settle_leaves_out_a_bid_whose_rows_cost_more_than_it_brings() -> None:
+    book = Book(4)
+    far = drafting.Bid(book, ROUNDS, 0.8, 1, 50)  # a draft cache 50 tokens behind: its catch-up is 50 rows
+    near = [drafting.Bid(book, ROUNDS, 0.8, 1, 1) for _ in range(3)]
+    assert drafting.settle([far, *near]) == [False, True, True, True]
+    book.extra = 60  # a prompt chunk in the step makes every target row dearer: still judged jointly
+    assert drafting.settle(near) == [True] * 3
+
+
+def test_bids_of_a_round_are_settled_together_before_its_forward() -> None:
+    """Jobs bid through their seats inside a rendezvous: each gets the joint answer, and the seat outside a
+    rendezvous answers None (the drafter decides alone)."""
+    book = Book(3)
+    seats = [book.seat(i) for i in range(3)]
+    gains = [0.3, 0.3, 0.3]
+    got = rendezvous([lambda s=s, g=g: s.round(ROUNDS, g, 1, 1) for s, g in zip(seats, gains, strict=True)],
+                     apart=False)
+    assert got == [True, True, True]
+    lone = rendezvous([lambda: seats[0].round(ROUNDS, 0.3, 1, 1), lambda: "no bid"], apart=False)
+    assert lone == [False, "no bid"]  # the other job bid nothing: the round would be this bid's alone
+    assert seats[0].round(ROUNDS, 0.3, 1, 1) is None
+
+
+@fbgemm
+def test_batch_aware_dyspec_drafts_in_shared_rounds(models) -> None:
+    """Four requests bid for their first draft token (their prompts' catch-up included) in one round: those that
+    go ahead (here all but the 9-token prompt, whose catch-up rows cost more than its token brings) catch up in the
+    same round-0 forward; greedy output is unchanged."""
+    target, draft = models
+    cfg = SamplingConfig(max_new_tokens=1)
+    drafters = [DySpecDrafter(draft, DySpecOptions(budget="auto"), ROUNDS) for _ in range(4)]
+    reqs = [engine.start(target, d, p, cfg) for d, p in zip(drafters, PROMPTS, strict=True)]
+    for d in drafters:
+        d.first_rate = 0.6
+    book = Book(len(reqs))
+    trees, _ = drafting.propose_all(reqs, book)
+    assert [d.skipped for d in drafters] == [len(p) > 6 for p in PROMPTS]
+    assert [len(t) >= 1 for t in trees] == [len(p) <= 6 for p in PROMPTS]
+    assert book.draft[0] == [len(p) if len(p) <= 6 else 0 for p in PROMPTS]  # round 0: one forward
+    cfg = SamplingConfig(max_new_tokens=8)
+    want = [[t.id for t in engine.stream(target, None, p, cfg)] for p in PROMPTS]
+    made = [lambda: DySpecDrafter(draft, DySpecOptions(budget="auto"), ROUNDS)] * 4
+    assert run_batch(target, made, PROMPTS, [cfg] * 4) == want

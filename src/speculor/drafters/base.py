@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -32,6 +32,9 @@ from speculor.core.sampling import check_finite, draw_iid, draw_swor, greedy, sa
 from speculor.core.tree import DraftTree, check_shape, merge, shape_levels
 from speculor.core.verify import Verdict
 from speculor.errors import SpeculorError
+
+if TYPE_CHECKING:
+    from speculor.runtime.cost import CostModel
 from speculor.runtime.cache import KVCache
 from speculor.runtime.model import Model
 
@@ -76,6 +79,12 @@ class BatchLedger:
     def draft_s(self, t_draft: Callable[[int], float]) -> float:
         """Seconds of the others' draft forwards, t_draft(rows) each."""
         return sum(t_draft(r) for r in self.draft_rows if r > 0)
+
+    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int) -> bool | None:
+        """Joint decision on a draft forward of `draft_rows` rows that would add `nodes` target rows of expected
+        value `gain`: the batched engine's seat weighs it with every other request's bid for the same draft round
+        (engine/drafting.py `settle`). None here: a fixed ledger has no round, the drafter decides alone."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -290,17 +290,14 @@ class DySpecDrafter:
             self.first_rate = 0.9 * self.first_rate + 0.1 * bool(verdict.path)
 
     def _speculation_pays(self, seq: list[int]) -> bool:
-        """In a batch: is a first draft token (catch-up forward included) worth its rows to the batch, at the rate
-        first tokens were accepted so far? When not, the request decodes plainly this step. Alone, the catch-up buys
-        the rest of the generation: one row. Beside other requests it is priced at all it feeds (the whole prompt
-        for a draft cache still empty): a draft round paid for one request is paid by the whole batch, and
-        requests that drafted now and then decoded below batched plain decoding. Nothing drafts while a prompt chunk
-        is in the step (docs/algorithms.md §11.1, with the measurements)."""
+        """In a batch: is a first draft token (catch-up forward included) worth its rows, at the rate first tokens
+        were accepted so far? When not, the request decodes plainly this step. Alone, the catch-up buys the rest of
+        the generation: one row; beside others it is priced at all it feeds. Nothing drafts while a prompt chunk is
+        in the step (docs/algorithms.md §11.1)."""
         if self.ledger.filling:
             return False
         crowd = self.ledger.rows + self.ledger.pending > 0
-        return worth(self.cost, 0, 0.0, 0.0, self.first_rate, 1,
-                     self._t_draft(behind(self.cache, seq) if crowd else 1), self.ledger)
+        return self._round_pays(Growth(), self.first_rate, 1, behind(self.cache, seq) if crowd else 1)
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
@@ -374,11 +371,7 @@ class DySpecDrafter:
             slots[n].fill(value_distribution(logits[i], cfg, self.opts.temperature))
 
     def _t_draft(self, rows: int) -> float:
-        """Estimated seconds of a draft forward of `rows` rows: t_draft(rows), also in a batch, where the forward
-        is shared with the other requests' rows. Not their marginal cost t_draft(o + rows) - t_draft(o), nor their
-        share: a shared round of the embedded draft costs ~45 ms for 4 requests against ~32 ms for one, so most of
-        a round is paid whoever drafts, and a request priced below that joins rounds that the batch then pays for
-        (measured: 4 requests, 64 tokens, decode 15-16 tokens/s at the margin against 16.5-18 plain)."""
+        """Estimated seconds of a draft forward of `rows` rows alone (in a batch, `settle` prices shared rounds)."""
         return self.cost.t_draft(rows) if self.cost is not None else 0.0
 
     def _publish(self, g: Growth, grown: bool = False) -> None:
@@ -405,8 +398,16 @@ class DySpecDrafter:
         at v(u) · q(u's token) (the draft's confidence persists)."""
         if not self.auto:
             return True
-        gain = sum(s.v * s.conf for s in expand.values())
-        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, len(expand), self._t_draft(len(expand)),
+        return self._round_pays(g, sum(s.v * s.conf for s in expand.values()), len(expand), len(expand))
+
+    def _round_pays(self, g: Growth, gain: float, nodes: int, draft_rows: int) -> bool:
+        """Does a draft forward of `draft_rows` rows adding `nodes` nodes worth `gain` pay? In a batch all bids for a
+        draft round are weighed together, the round priced once (engine/drafting.py `settle`); else `worth`."""
+        if self.ledger is not None:
+            self.ledger.publish(1 + len(g), 1 + sum(g.values))  # what it commits to now, for the joint weighing
+            if (joint := self.ledger.round(self.cost, gain, nodes, draft_rows)) is not None:
+                return joint
+        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, nodes, self._t_draft(draft_rows),
                      self.ledger)
 
 
