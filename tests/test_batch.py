@@ -140,6 +140,28 @@ def test_batched_sampling_follows_the_exact_law(target):
         assert tv < 2 * floor
 
 
+def test_batched_dyspec_with_joint_rounds_follows_the_exact_law(target, monkeypatch):
+    """Three batch-aware DySpec requests (auto budget, each draft round settled jointly from all their bids, so a
+    request's tree depends on its batch): the first request's law is still the target's."""
+    from speculor.engine import drafting
+
+    seen, settle = [], drafting.settle
+    monkeypatch.setattr(drafting, "settle", lambda bids: seen.extend(answer := settle(bids)) or answer)
+    cost = CostModel((1, 8, 64), (0.234, 0.282, 1.2), (1, 8, 64), (0.030, 0.036, 0.2))
+    t_model, d_model = Model(target), Model(perturbed(target, seed=1, noise=0.8))
+    counts = torch.zeros([V] * N, dtype=torch.float64)
+    for j in range(2500):
+        entries = [(DySpecDrafter(d_model, DySpecOptions(budget="auto"), cost), PROMPT + [i] * (i > 0),
+                    SamplingConfig(temperature=1.0, seed=20000 + 3 * j + i, max_new_tokens=N)) for i in range(3)]
+        out: list[int] = []
+        for i, toks in batched_engine.generate(t_model, entries):
+            out.extend(t.id for t in toks if i == 0)
+        counts[tuple(out)] += 1
+    assert True in seen and False in seen  # bids went ahead and bids were declined
+    pvalue, tv, floor = goodness_of_fit(counts, exact_law(target, PROMPT, SamplingConfig(temperature=1.0), N))
+    assert pvalue > 1e-3 and tv < 2 * floor, f"p-value {pvalue:.2e}, TV {tv:.4f}, floor {floor:.4f}"
+
+
 def test_chi_square_catches_rows_verified_against_another_request(target, monkeypatch):
     """Negative control: a batch whose logits reach the wrong requests (rotated by one) must be caught."""
     def rotated(self, blocks):
@@ -191,27 +213,27 @@ def test_batch_aware_dyspec_decodes_plainly_under_load(pair):
     assert got[:4] == alone
 
 
-def test_in_a_crowd_a_request_far_behind_prices_its_whole_catch_up(pair):
-    """A draft cache 40 tokens behind (after a step alone): beside one other request the catch-up (40 rows) does
-    not pay, so it decodes plainly and the batch counts it as a root from then on; alone the catch-up buys the rest
-    of the generation and it drafts; once caught up it drafts beside the other."""
+def test_a_catch_up_is_charged_over_the_tokens_left(pair):
+    """A draft cache 40 tokens behind (after steps decoded plainly beside others): its catch-up is an investment in
+    the rest of the generation, charged spread over the tokens left. Beside one other request, with most of the
+    generation left it drafts; with 2 tokens left it decodes plainly, and counts as its root from then on."""
     from speculor.core.verify import Verdict
 
     _, draft = pair
-    d = DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT)
-    seq = [(7 * i) % VOCAB for i in range(4)]
-    d.ledger = BatchLedger()
-    assert len(d.propose(seq, SamplingConfig(), None)) >= 1 and not d.skipped and d.estimate[0] > 1
-    d.observe(len(seq), Verdict([], 5))
-    seq = seq + [5] + [(3 * i) % VOCAB for i in range(40)]
-    d.ledger = BatchLedger(rows=1, tokens=1.0)
-    assert len(d.propose(seq, SamplingConfig(), None)) == 0 and d.skipped
-    assert d.estimate == (1, 1.0)  # no longer its last tree: a skipped request must not crowd out the others
-    d.ledger = BatchLedger()
-    assert len(d.propose(seq, SamplingConfig(), None)) >= 1 and not d.skipped
-    d.observe(len(seq), Verdict([], 5))
-    d.ledger = BatchLedger(rows=1, tokens=1.0)
-    assert len(d.propose(seq + [5], SamplingConfig(), None)) >= 1 and not d.skipped
+
+    def behind_by_40(max_new_tokens: int) -> tuple[DySpecDrafter, int]:
+        d = DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT)
+        cfg, seq = SamplingConfig(max_new_tokens=max_new_tokens), [(7 * i) % VOCAB for i in range(4)]
+        d.ledger = BatchLedger()
+        assert len(d.propose(seq, cfg, None)) >= 1 and not d.skipped and d.estimate[0] > 1
+        d.observe(len(seq), Verdict([], 5))
+        d.ledger = BatchLedger(rows=1, tokens=1.0)
+        return d, len(d.propose(seq + [5] + [(3 * i) % VOCAB for i in range(40)], cfg, None))
+
+    d, size = behind_by_40(44)  # 42 tokens generated, 2 left
+    assert size == 0 and d.skipped and d.estimate == (1, 1.0)  # not its last tree: a skipped request is a root
+    d, size = behind_by_40(400)
+    assert size >= 1 and not d.skipped
 
 
 def test_batch_aware_sequoia_sizes_its_tree_for_the_batch(pair):

@@ -277,22 +277,25 @@ def test_bids_of_a_round_are_settled_together_before_its_forward() -> None:
     assert seats[0].round(ROUNDS, 0.3, 1, 1) is None
 
 
+def test_settle_charges_a_catch_up_share_to_its_own_bid() -> None:
+    book = Book(2)
+    near = drafting.Bid(book, ROUNDS, 0.8, 1, 1)
+    assert drafting.settle([near, drafting.Bid(book, ROUNDS, 0.8, 1, 1, once=0.5)]) == [True, False]
+    assert drafting.settle([near, drafting.Bid(book, ROUNDS, 0.8, 1, 1, once=0.001)]) == [True, True]
+
+
 @fbgemm
 def test_batch_aware_dyspec_drafts_in_shared_rounds(models) -> None:
-    """Four requests bid for their first draft token (their prompts' catch-up included) in one round: those that
-    go ahead (here all but the 9-token prompt, whose catch-up rows cost more than its token brings) catch up in the
-    same round-0 forward; greedy output is unchanged."""
+    """Four requests at their first step bid for a first draft token, their prompts' catch-up charged over the 64
+    tokens to come: all go ahead and catch up in one round-0 forward; greedy output is unchanged."""
     target, draft = models
-    cfg = SamplingConfig(max_new_tokens=1)
+    cfg = SamplingConfig(max_new_tokens=64)
     drafters = [DySpecDrafter(draft, DySpecOptions(budget="auto"), ROUNDS) for _ in range(4)]
     reqs = [engine.start(target, d, p, cfg) for d, p in zip(drafters, PROMPTS, strict=True)]
-    for d in drafters:
-        d.first_rate = 0.6
     book = Book(len(reqs))
     trees, _ = drafting.propose_all(reqs, book)
-    assert [d.skipped for d in drafters] == [len(p) > 6 for p in PROMPTS]
-    assert [len(t) >= 1 for t in trees] == [len(p) <= 6 for p in PROMPTS]
-    assert book.draft[0] == [len(p) if len(p) <= 6 else 0 for p in PROMPTS]  # round 0: one forward
+    assert not any(d.skipped for d in drafters) and all(len(t) >= 1 for t in trees)
+    assert book.draft[0] == [len(r.seq) for r in reqs]  # round 0: the four catch-ups in one forward
     cfg = SamplingConfig(max_new_tokens=8)
     want = [[t.id for t in engine.stream(target, None, p, cfg)] for p in PROMPTS]
     made = [lambda: DySpecDrafter(draft, DySpecOptions(budget="auto"), ROUNDS)] * 4

@@ -80,10 +80,11 @@ class BatchLedger:
         """Seconds of the others' draft forwards, t_draft(rows) each."""
         return sum(t_draft(r) for r in self.draft_rows if r > 0)
 
-    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int) -> bool | None:
-        """Joint decision on a draft forward of `draft_rows` rows that would add `nodes` target rows of expected
-        value `gain`: the batched engine's seat weighs it with every other request's bid for the same draft round
-        (engine/drafting.py `settle`). None here: a fixed ledger has no round, the drafter decides alone."""
+    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int, once: float = 0.0) -> bool | None:
+        """Joint decision on a draft forward of `draft_rows` rows (plus `once` seconds charged to this step) that
+        would add `nodes` target rows of expected value `gain`: the batched engine's seat weighs it with every other
+        request's bid for the same draft round (engine/drafting.py `settle`). None here: a fixed ledger has no
+        round, the drafter decides alone."""
         return None
 
 

@@ -242,6 +242,7 @@ class DySpecDrafter:
         self.ledger: BatchLedger | None = None
         self.expected_tokens = 1.0  # 1 + Σ v of the last proposal
         self.first_rate = FIRST_RATE  # moving average of steps whose first draft token was accepted
+        self.first_len = 0  # len(seq) at its first proposal
         self.skipped = False  # the last step drafted nothing (the batch is better off decoding this request plainly)
         self.estimate = (1, 1.0)  # (rows, tokens) of the last tree (none: a root): what the batch counts this
         # request as while its tree is still growing
@@ -255,7 +256,7 @@ class DySpecDrafter:
         self.t = self.opts.t
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        self.skipped = self.auto and self.ledger is not None and not self._speculation_pays(seq)
+        self.skipped = self.auto and self.ledger is not None and not self._speculation_pays(seq, cfg)
         if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
             self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
             self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
@@ -289,15 +290,15 @@ class DySpecDrafter:
         if self.auto:
             self.first_rate = 0.9 * self.first_rate + 0.1 * bool(verdict.path)
 
-    def _speculation_pays(self, seq: list[int]) -> bool:
-        """In a batch: is a first draft token (catch-up forward included) worth its rows, at the rate first tokens
-        were accepted so far? When not, the request decodes plainly this step. Alone, the catch-up buys the rest of
-        the generation: one row; beside others it is priced at all it feeds. Nothing drafts while a prompt chunk is
-        in the step (docs/algorithms.md §11.1)."""
+    def _speculation_pays(self, seq: list[int], cfg: SamplingConfig) -> bool:
+        """In a batch: is a first draft token worth its row, at the rate first tokens were accepted so far? Its
+        catch-up (the whole prompt at first) is charged over the steps left (§11.1). Never beside a prompt chunk."""
         if self.ledger.filling:
             return False
-        crowd = self.ledger.rows + self.ledger.pending > 0
-        return self._round_pays(Growth(), self.first_rate, 1, behind(self.cache, seq) if crowd else 1)
+        self.first_len = self.first_len or len(seq)
+        left = max(cfg.max_new_tokens - (len(seq) - self.first_len + 1), 1)  # tokens still to generate
+        once = (self._t_draft(behind(self.cache, seq)) - self._t_draft(1)) * (1 + self.first_rate) / left
+        return self._round_pays(Growth(), self.first_rate, 1, 1, once)
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
@@ -370,8 +371,7 @@ class DySpecDrafter:
             g.rows[n] = rows[i]
             slots[n].fill(value_distribution(logits[i], cfg, self.opts.temperature))
 
-    def _t_draft(self, rows: int) -> float:
-        """Estimated seconds of a draft forward of `rows` rows alone (in a batch, `settle` prices shared rounds)."""
+    def _t_draft(self, rows: int) -> float:  # a draft forward of `rows` rows alone (`settle` prices shared rounds)
         return self.cost.t_draft(rows) if self.cost is not None else 0.0
 
     def _publish(self, g: Growth, grown: bool = False) -> None:
@@ -400,14 +400,14 @@ class DySpecDrafter:
             return True
         return self._round_pays(g, sum(s.v * s.conf for s in expand.values()), len(expand), len(expand))
 
-    def _round_pays(self, g: Growth, gain: float, nodes: int, draft_rows: int) -> bool:
-        """Does a draft forward of `draft_rows` rows adding `nodes` nodes worth `gain` pay? In a batch all bids for a
-        draft round are weighed together, the round priced once (engine/drafting.py `settle`); else `worth`."""
+    def _round_pays(self, g: Growth, gain: float, nodes: int, draft_rows: int, once: float = 0.0) -> bool:
+        """Does a draft forward of `draft_rows` rows (and `once` seconds charged this step) adding `nodes` nodes worth
+        `gain` pay? In a batch all bids for a round are weighed together, the round priced once (`settle`)."""
         if self.ledger is not None:
             self.ledger.publish(1 + len(g), 1 + sum(g.values))  # what it commits to now, for the joint weighing
-            if (joint := self.ledger.round(self.cost, gain, nodes, draft_rows)) is not None:
+            if (joint := self.ledger.round(self.cost, gain, nodes, draft_rows, once)) is not None:
                 return joint
-        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, nodes, self._t_draft(draft_rows),
+        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, nodes, self._t_draft(draft_rows) + once,
                      self.ledger)
 
 

@@ -20,7 +20,8 @@ gives the target's own tokens at temperature 0.
 
 The batch-aware budget (docs/algorithms.md §11.1) reads a live `Seat` of the step's `Book`: the other requests'
 target rows and expected tokens as their trees stand now, and their rows in each round's draft forward (the
-others' draft seconds); a request's own draft forwards are priced at their cost alone (drafters/dyspec.py).
+others' draft seconds). A request's wish for a draft forward is a `Bid`, parked like a forward; the round's bids are
+settled together (`settle`), the round's forward priced once for all the rows that go ahead.
 """
 
 from __future__ import annotations
@@ -90,23 +91,24 @@ class Seat(BatchLedger):
     def publish(self, rows: int, tokens: float) -> None:
         self.book.rows[self.i], self.book.tokens[self.i] = rows, tokens
 
-    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int) -> bool | None:
+    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int, once: float = 0.0) -> bool | None:
         """Park this bid until every request of the step has parked (a bid, a forward, or its end), then get the
         joint answer (`settle`). None for a request drafting alone (no rendezvous): its own rate decides."""
         turn = getattr(_here, "turn", None)
-        return None if turn is None else turn.bid(Bid(self.book, cost, gain, nodes, draft_rows))
+        return None if turn is None else turn.bid(Bid(self.book, cost, gain, nodes, draft_rows, once))
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: two requests may bid alike
 class Bid:
     """A request of `book`'s step asks for a draft forward of `draft_rows` rows that adds `nodes` target rows worth
-    `gain` expected tokens."""
+    `gain` expected tokens, and charges `once` seconds more to the step (a catch-up's share)."""
 
     book: Book
     cost: CostModel
     gain: float
     nodes: int
     draft_rows: int
+    once: float = 0.0
 
 
 def settle(bids: Sequence[Bid]) -> list[bool]:
@@ -114,7 +116,7 @@ def settle(bids: Sequence[Bid]) -> list[bool]:
     forward priced once for all its rows. With T, R the batch's expected tokens and target rows as the trees stand,
     D the step's draft forwards so far and S a subset of the bids,
 
-        rate(S) = (T + Σ_S gain) / (D + t_draft(Σ_S draft_rows) [S not empty] + t_target(R + Σ_S nodes)).
+        rate(S) = (T + Σ_S gain) / (D + t_draft(Σ_S draft_rows) [S not empty] + Σ_S once + t_target(R + Σ_S nodes)).
 
     S grows greedily (the bid that gives the best rate next, even when the rate falls: the round's cost is paid by
     the first and shared by the rest) and the best prefix wins, the empty one on a tie. Priced request by request,
@@ -127,7 +129,7 @@ def settle(bids: Sequence[Bid]) -> list[bool]:
         if not chosen:
             return tokens / (spent + cost.t_target(rows))
         return ((tokens + sum(b.gain for b in chosen))
-                / (spent + cost.t_draft(sum(b.draft_rows for b in chosen))
+                / (spent + cost.t_draft(sum(b.draft_rows for b in chosen)) + sum(b.once for b in chosen)
                    + cost.t_target(rows + sum(b.nodes for b in chosen))))
 
     order, left = [], list(bids)
