@@ -32,11 +32,11 @@ from speculor.core.sampling import check_finite, draw_iid, draw_swor, greedy, sa
 from speculor.core.tree import DraftTree, check_shape, merge, shape_levels
 from speculor.core.verify import Verdict
 from speculor.errors import SpeculorError
+from speculor.runtime.cache import KVCache
+from speculor.runtime.model import Model
 
 if TYPE_CHECKING:
     from speculor.runtime.cost import CostModel
-from speculor.runtime.cache import KVCache
-from speculor.runtime.model import Model
 
 
 class Drafter(Protocol):

@@ -404,7 +404,7 @@ class DySpecDrafter:
         """Does a draft forward of `draft_rows` rows (and `once` seconds charged this step) adding `nodes` nodes worth
         `gain` pay? In a batch all bids for a round are weighed together, the round priced once (`settle`)."""
         if self.ledger is not None:
-            self.ledger.publish(1 + len(g), 1 + sum(g.values))  # what it commits to now, for the joint weighing
+            self._publish(g, grown=True)  # what it commits to now, for the joint weighing
             if (joint := self.ledger.round(self.cost, gain, nodes, draft_rows, once)) is not None:
                 return joint
         return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, nodes, self._t_draft(draft_rows) + once,

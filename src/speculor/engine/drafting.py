@@ -263,20 +263,21 @@ def rendezvous(jobs: Sequence[Callable[[], DraftTree]], apart: bool,
     index = {id(t): j for j, t in enumerate(turns)}
     live, rnd = list(turns), 0
 
-    def run(ts: list[_Turn]) -> list[_Turn]:  # each to its next bid, forward or end; those still live
+    def run(ts: list[_Turn]) -> None:  # each to its next bid, forward or end
         for t in ts:
             t.turn()
             if t.error is not None:
                 raise t.error
-        return [t for t in live if not t.done]
 
     try:
         while live:
-            live = run(live)
+            run(live)
+            live = [t for t in live if not t.done]
             while bidding := [t for t in live if t.call[0] is None]:  # a round's bids, settled together
                 for t, yes in zip(bidding, settle([t.call[1] for t in bidding]), strict=True):
                     t.result = yes
-                live = run(bidding)
+                run(bidding)
+                live = [t for t in live if not t.done]
             by_model: dict[int, list[_Turn]] = {}
             for t in live:
                 by_model.setdefault(id(t.call[0]), []).append(t)

@@ -78,11 +78,12 @@ def offload_to(model: torch.nn.Module, device: str) -> None:
     once, whatever its number of rows: the regime where Sequoia's large trees pay most."""
     from accelerate import cpu_offload
 
+    pin = torch.device(device).type == "cuda"
     pinned: dict[int, torch.Tensor] = {}  # one copy of a tied weight (embedding = head)
     weights = {}
     for name, t in model.state_dict().items():
         if t.data_ptr() not in pinned:
-            pinned[t.data_ptr()] = t.pin_memory() if torch.device(device).type == "cuda" else t
+            pinned[t.data_ptr()] = t.pin_memory() if pin else t
         weights[name] = pinned[t.data_ptr()]
     cpu_offload(model, execution_device=torch.device(device), state_dict=weights)
 
