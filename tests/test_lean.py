@@ -16,7 +16,7 @@ from speculor import Model, SamplingConfig, SpeculorError, engine, load_pair
 from speculor.drafters.base import ChainDrafter, TreeDrafter
 from speculor.runtime.draft_vocab import restrict_head
 from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
-from speculor.runtime.lean import LeanDecoder, fused, supports
+from speculor.runtime.lean import LeanDecoder, Part, fuse_projections, joint, supports
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -37,6 +37,12 @@ def int8(model, kind=Int8Linear):
     return out
 
 
+def joined(model):
+    out = copy.deepcopy(model)
+    assert fuse_projections(out) == 2 * out.config.num_hidden_layers  # q/k/v and gate/up of every layer
+    return out
+
+
 def restricted(model):
     out = copy.deepcopy(model)
     restrict_head(out, torch.arange(0, VOCAB, 2))
@@ -45,7 +51,9 @@ def restricted(model):
 
 MODELS = {"qwen2": lambda: tiny(0), "llama": lambda: tiny(1, family="llama"), "mha": lambda: tiny(2, kv_heads=4),
           "int8": lambda: int8(tiny(3)), "restricted": lambda: restricted(tiny(4)),
-          "onednn": lambda: int8(tiny(8), PackedLinear)}  # not fusable: the lean forward runs its linears as they are
+          "onednn": lambda: int8(tiny(8), PackedLinear),
+          "joined": lambda: joined(tiny(13)), "int8-joined": lambda: int8(joined(tiny(14))),
+          "llama-joined": lambda: int8(joined(tiny(15, family="llama")))}
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -75,12 +83,11 @@ SCRIPT = [
 ]
 
 
-@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_lean_forward_equals_the_stock_forward(name, fuse):
+def test_lean_forward_equals_the_stock_forward(name):
     module = MODELS[name]()
-    stock, lean = Model(module), Model(module, lean=LeanDecoder(module, fuse=fuse))
-    assert (lean.lean.qkv[0] is not None) == (fuse and name != "onednn")  # fuses what it can
+    stock, lean = Model(module), Model(module, lean=True)
+    assert (lean.lean.qkv[0] is not None) == (lean.lean.gate_up[0] is not None) == name.endswith("joined")
     caches = stock.new_cache(), lean.new_cache()
     for step in SCRIPT:
         if step[0] in ("keep", "trim"):
@@ -145,8 +152,8 @@ def plain(target: Model, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("drafter", ["chain", "tree"])
 def test_a_lean_draft_gives_the_plain_greedy_tokens(drafter):
     target = Model(tiny(10))
-    module = int8(perturbed(target.model, 0.05))
-    draft = Model(module, lean=LeanDecoder(module, fuse=True) if drafter == "tree" else True)
+    near = perturbed(target.model, 0.05)
+    draft = Model(int8(joined(near) if drafter == "tree" else near), lean=True)
     stats = engine.Stats()
     for prompt in ([1, 2, 3, 4, 5], [42], [7, 7, 7, 7, 9, 11]):
         d = ChainDrafter(draft, 3) if drafter == "chain" else TreeDrafter(draft, [-1, -1, 0, 0, 1, 2, 2, 4])
@@ -166,17 +173,28 @@ def perturbed(model, noise: float):
     return near
 
 
-def test_fused_linears_compute_the_concatenated_outputs():
-    module = tiny(9)
-    attn = module.model.layers[0].self_attn
-    x = torch.randn(3, 32)
-    for kind in (None, Int8Linear):
-        parts = [attn.q_proj, attn.k_proj, attn.v_proj] if kind is None else [Int8Linear(m) for m in
-                                                                               (attn.q_proj, attn.k_proj, attn.v_proj)]
-        one = fused(parts)
-        assert type(one) is type(parts[0]) and one.out_features == 32 + 16 + 16
-        same(one(x), torch.cat([m(x) for m in parts], dim=-1))
-    assert fused([PackedLinear(attn.q_proj), PackedLinear(attn.k_proj)]) is None
+@pytest.mark.parametrize("kind", [None, Int8Linear, PackedLinear])
+def test_joined_projections_keep_the_models_outputs_and_one_weight_copy(kind):
+    """fuse_projections then pack_linears: transformers' own forward gives the same logits through the Parts, each
+    joined matrix is packed once (3 + 2 linears a layer become 2), an int8 row keeps its scale."""
+    apart, one = tiny(9), joined(tiny(9))
+    if kind is not None:
+        assert pack_linears(apart, kind) == 2 * 7 + 1 and pack_linears(one, kind) == 2 * 4 + 1
+    attn, mlp = one.model.layers[1].self_attn, one.model.layers[1].mlp
+    assert isinstance(attn.k_proj, Part) and attn.q_proj.whole is attn.k_proj.whole is attn.v_proj.whole
+    assert type(attn.q_proj.whole) is (kind or torch.nn.Linear) and mlp.up_proj.whole.out_features == 2 * 64
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        same(apart(ids).logits, one(ids).logits)
+
+
+def test_joint_takes_only_parts_of_one_linear_in_order():
+    whole = torch.nn.Linear(4, 6)
+    a, b, c = Part(whole, 0, 2), Part(whole, 2, 4), Part(whole, 4, 6)
+    assert joint([a, b, c]) is whole
+    assert joint([b, a, c]) is None and joint([a, b]) is None  # out of order; not the whole
+    assert joint([a, b, Part(torch.nn.Linear(4, 6), 4, 6)]) is None  # another linear's part
+    assert joint([torch.nn.Linear(4, 2), b, c]) is None
 
 
 def test_load_pair_runs_only_the_draft_lean(tmp_path):
@@ -190,6 +208,7 @@ def test_load_pair_runs_only_the_draft_lean(tmp_path):
             tmp_path / name)
     pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))  # the default: a lean int8 draft
     assert pair.target.lean is None and isinstance(pair.draft.lean, LeanDecoder)
+    assert pair.draft.lean.qkv[0] is not None  # its projections joined
     assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), lean_draft=False).draft.lean is None
     assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), packed=False, draft_int8=False
                      ).draft.lean is None  # eager kernels: the models' own forward

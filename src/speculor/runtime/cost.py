@@ -134,7 +134,7 @@ def implausible(ns: Sequence[int], seconds: Sequence[float], slack: float = 1.5)
 def machine_key(pair: Pair) -> dict[str, str]:
     """What a cost model depends on: the machine, its CPU or GPU, torch's threads, device, dtype, the pair and
     the matmul kernels its models run."""
-    lm = pair.target
+    lm, lean = pair.target, pair.draft.lean if pair.draft is not None else None
     if lm.device.type == "cuda":
         chip = torch.cuda.get_device_name(lm.device)
     else:
@@ -143,7 +143,7 @@ def machine_key(pair: Pair) -> dict[str, str]:
             "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
             "target": pair.target_name, "draft": pair.draft_name,
             "kernels": f"{linear_kinds(lm.model)} / {linear_kinds(pair.draft.model) if pair.draft else '-'}"
-                       + (" / lean draft" if pair.draft is not None and pair.draft.lean is not None else "")}
+                       + (" / lean draft" if lean else "") + (" (joined)" if lean and any(lean.qkv) else "")}
 
 
 def _cpu_model() -> str:

@@ -176,12 +176,15 @@ def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLin
         return 0
     places = [(module, name) for module in model.modules() for name, child in module.named_children()
               if type(child) is torch.nn.Linear]
+    done: dict[int, torch.nn.Module] = {}  # a linear several parents hold (lean.fuse_projections' Parts) packs once
     for module, name in places:
         linear = getattr(module, name)
-        setattr(module, name, kind(linear))
-        drop_file_pages(linear.weight)  # mapped from a safetensors file: its pages were read to pack it
+        if id(linear) not in done:
+            done[id(linear)] = kind(linear)
+            drop_file_pages(linear.weight)  # mapped from a safetensors file: its pages were read to pack it
+        setattr(module, name, done[id(linear)])
         del linear  # the old Linear's last reference (unless its weight is shared, e.g. tied to the embedding)
-    return len(places)
+    return len(done)
 
 
 def is_packed(model: torch.nn.Module) -> bool:

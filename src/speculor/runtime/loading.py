@@ -15,7 +15,7 @@ from speculor.runtime import embedded
 from speculor.runtime.draft_vocab import check_size as draft_vocab_check
 from speculor.runtime.draft_vocab import restrict_draft
 from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
-from speculor.runtime.lean import supports
+from speculor.runtime.lean import fuse_projections, supports
 from speculor.runtime.model import Model
 
 
@@ -110,7 +110,7 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     draft_vocab: N > 0 restricts the draft's head to the N most frequent tokens (FR-Spec, draft_vocab.py; exact
     as any draft is, docs/algorithms.md §1.1); None or 0: the full vocabulary.
     lean_draft: with int8 draft kernels, run the draft through lean.py's forward (Qwen2/Llama-style drafts; the same
-    logits, 4-17% less time a forward).
+    logits, 4-17% less time a forward), its q/k/v and gate/up projections joined (`fuse_projections`; 9-10% less).
     offload: keep the target's weights in pinned CPU memory and stream them to `device` for each forward (`offload`).
     """
     check_device(device, offload)
@@ -132,7 +132,10 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
         check_same_vocab(tokenizer, d_tok)
         if draft_vocab:  # before packing, so that the subset's rows get the draft's kernel kind
             restrict_draft(d_model, tokenizer, draft_vocab, t_lm.vocab_size)
+        lean = lean_draft and draft_int8 and supports(d_model)
+        if lean:  # before packing too: each joined matrix is packed once
+            fuse_projections(d_model)
         if packed or draft_int8:
             pack_linears(d_model, Int8Linear if draft_int8 else PackedLinear)
-        d_lm = Model(d_model, vocab_size=t_lm.vocab_size, lean=lean_draft and draft_int8 and supports(d_model))
+        d_lm = Model(d_model, vocab_size=t_lm.vocab_size, lean=lean)
     return Pair(t_lm, d_lm, tokenizer, target, draft or "")

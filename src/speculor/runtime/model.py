@@ -32,10 +32,11 @@ class Model:
     """A transformers causal LM shared by every request: runs a block of tokens against a request's `KVCache`."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, *,
-                 lean: bool | LeanDecoder = False, device: str | torch.device | None = None) -> None:
-        """lean=True (or a `LeanDecoder` of `model`, e.g. with fuse=True): run `forward` through lean.py's forward
-        (the same logits up to summation order, less overhead; for a draft). device: where the forward runs, by
-        default where the weights are (offloaded weights are meta tensors: their forward runs on the GPU given)."""
+                 lean: bool = False, device: str | torch.device | None = None) -> None:
+        """lean=True: run `forward` through lean.py's forward (the same logits up to summation order, less overhead;
+        for a draft; one matmul per group of projections `lean.fuse_projections` joined). device: where the forward
+        runs, by default where the weights are (offloaded weights are meta tensors: their forward runs on the GPU
+        given)."""
         self.model = model.eval()
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -43,7 +44,7 @@ class Model:
         self.vocab_size = vocab_size or getattr(head, "out_features", None) or head.weight.shape[0]
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.batched = batched.enable(model)  # one forward for several requests' blocks (`forward_batch`)
-        self.lean = lean if isinstance(lean, LeanDecoder) else LeanDecoder(model) if lean else None
+        self.lean = LeanDecoder(model) if lean else None
 
     @staticmethod
     def new_cache() -> KVCache:
