@@ -37,9 +37,9 @@ def int8(model, kind=Int8Linear):
     return out
 
 
-def joined(model):
+def joined(model, kind=None):
     out = copy.deepcopy(model)
-    assert fuse_projections(out) == 2 * out.config.num_hidden_layers  # q/k/v and gate/up of every layer
+    assert fuse_projections(out, kind) == 2 * out.config.num_hidden_layers  # q/k/v and gate/up of every layer
     return out
 
 
@@ -53,6 +53,7 @@ MODELS = {"qwen2": lambda: tiny(0), "llama": lambda: tiny(1, family="llama"), "m
           "int8": lambda: int8(tiny(3)), "restricted": lambda: restricted(tiny(4)),
           "onednn": lambda: int8(tiny(8), PackedLinear),
           "joined": lambda: joined(tiny(13)), "int8-joined": lambda: int8(joined(tiny(14))),
+          "int8-joined-at-once": lambda: int8(joined(tiny(16), Int8Linear)),
           "llama-joined": lambda: int8(joined(tiny(15, family="llama")))}
 
 
@@ -87,7 +88,7 @@ SCRIPT = [
 def test_lean_forward_equals_the_stock_forward(name):
     module = MODELS[name]()
     stock, lean = Model(module), Model(module, lean=True)
-    assert (lean.lean.qkv[0] is not None) == (lean.lean.gate_up[0] is not None) == name.endswith("joined")
+    assert (lean.lean.qkv[0] is not None) == (lean.lean.gate_up[0] is not None) == ("joined" in name)
     caches = stock.new_cache(), lean.new_cache()
     for step in SCRIPT:
         if step[0] in ("keep", "trim"):
@@ -177,9 +178,11 @@ def perturbed(model, noise: float):
 def test_joined_projections_keep_the_models_outputs_and_one_weight_copy(kind):
     """fuse_projections then pack_linears: transformers' own forward gives the same logits through the Parts, each
     joined matrix is packed once (3 + 2 linears a layer become 2), an int8 row keeps its scale."""
-    apart, one = tiny(9), joined(tiny(9))
+    apart, one, at_once = tiny(9), joined(tiny(9)), joined(tiny(9), kind)
     if kind is not None:
         assert pack_linears(apart, kind) == 2 * 7 + 1 and pack_linears(one, kind) == 2 * 4 + 1
+        assert pack_linears(at_once, kind) == 2 * 2 + 1  # o, down and the head: the joined ones were packed already
+        same(one(torch.tensor([[2, 7]])).logits, at_once(torch.tensor([[2, 7]])).logits)
     attn, mlp = one.model.layers[1].self_attn, one.model.layers[1].mlp
     assert isinstance(attn.k_proj, Part) and attn.q_proj.whole is attn.k_proj.whole is attn.v_proj.whole
     assert type(attn.q_proj.whole) is (kind or torch.nn.Linear) and mlp.up_proj.whole.out_features == 2 * 64

@@ -172,13 +172,14 @@ class Part(torch.nn.Module):
         return self.whole(x)[..., self.start:self.stop]
 
 
-def fuse_projections(model: torch.nn.Module) -> int:
-    """Join each layer's q/k/v projections, and its gate/up projections, into one nn.Linear (weights stacked by
-    output rows: [W_q; W_k; W_v] x = [W_q x; W_k x; W_v x]) held by `Part`s in their places; returns the count.
-    Call it on the fp32 model before `kernels.pack_linears`, which then packs each joined linear once: one weight
-    copy as before, 3 + 2 matmul calls a layer become 2 (9-10% of a draft forward of the embedded draft on the
-    project CPU at 1, 4 and 16 rows). An int8 row keeps its scale (per output row), so the results are unchanged.
-    The originals' file pages are given back (memory.drop_file_pages). Linears of other kinds are left as they are."""
+def fuse_projections(model: torch.nn.Module, kind: type[torch.nn.Module] | None = None) -> int:
+    """Join each layer's q/k/v projections, and its gate/up projections, into one linear (weights stacked by output
+    rows: [W_q; W_k; W_v] x = [W_q x; W_k x; W_v x]) held by `Part`s in their places; returns the count.
+    kind (kernels.Int8Linear or PackedLinear): pack each joined matrix at once, so one joined fp32 matrix at most
+    exists at a time; None: nn.Linear, which `kernels.pack_linears` packs once later. One weight copy as before;
+    3 + 2 matmul calls a layer become 2 (9-10% of a draft forward of the embedded draft on the project CPU at 1, 4
+    and 16 rows). An int8 row keeps its scale (per output row), so the results are unchanged. The originals' file
+    pages are given back (memory.drop_file_pages). Linears of other kinds are left as they are."""
     count = 0
     for layer in list(model.model.layers)[:model.config.num_hidden_layers]:
         for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
@@ -186,6 +187,7 @@ def fuse_projections(model: torch.nn.Module) -> int:
             if any(type(m) is not torch.nn.Linear for m in linears):
                 continue
             whole = _stacked(linears)
+            whole = kind(whole) if kind is not None else whole
             ends = list(itertools.accumulate(m.out_features for m in linears))
             for name, start, stop in zip(names, [0, *ends[:-1]], ends, strict=True):
                 setattr(owner, name, Part(whole, start, stop))
@@ -196,15 +198,14 @@ def fuse_projections(model: torch.nn.Module) -> int:
 
 
 def _stacked(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
-    """One nn.Linear computing the linears' outputs side by side (same input)."""
+    """One nn.Linear computing the linears' outputs side by side (same input); its weight is made once, by cat."""
     w = linears[0].weight
-    out = torch.nn.Linear(w.shape[1], sum(m.out_features for m in linears),
-                          bias=any(m.bias is not None for m in linears), device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        out.weight.copy_(torch.cat([m.weight for m in linears]))
-        if out.bias is not None:
-            out.bias.copy_(torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in linears]))
-    return out.requires_grad_(False)
+    out = torch.nn.Linear(w.shape[1], sum(m.out_features for m in linears), bias=False, device="meta")
+    out.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+    if any(m.bias is not None for m in linears):
+        out.bias = torch.nn.Parameter(torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features)
+                                                 for m in linears]), requires_grad=False)
+    return out
 
 
 def joint(linears: list[torch.nn.Module]) -> torch.nn.Module | None:

@@ -14,7 +14,7 @@ from speculor.errors import SpeculorError
 from speculor.runtime import embedded
 from speculor.runtime.draft_vocab import check_size as draft_vocab_check
 from speculor.runtime.draft_vocab import restrict_draft
-from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
+from speculor.runtime.kernels import Int8Linear, PackedLinear, can_pack, pack_linears
 from speculor.runtime.lean import fuse_projections, supports
 from speculor.runtime.model import Model
 
@@ -133,8 +133,8 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
         if draft_vocab:  # before packing, so that the subset's rows get the draft's kernel kind
             restrict_draft(d_model, tokenizer, draft_vocab, t_lm.vocab_size)
         lean = lean_draft and draft_int8 and supports(d_model)
-        if lean:  # before packing too: each joined matrix is packed once
-            fuse_projections(d_model)
+        if lean:  # before packing too, each joined matrix packed as it is made
+            fuse_projections(d_model, Int8Linear if can_pack(d_model) else None)
         if packed or draft_int8:
             pack_linears(d_model, Int8Linear if draft_int8 else PackedLinear)
         d_lm = Model(d_model, vocab_size=t_lm.vocab_size, lean=lean)
