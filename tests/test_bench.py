@@ -139,6 +139,22 @@ def test_bench_batch_writes_l_at_b_entries(pair, tmp_path, monkeypatch) -> None:
     assert "| chain:k=2@3 |" in (tmp_path / "table.md").read_text()
 
 
+def test_a_draft_with_joined_projections_is_not_the_model_as_given(pair, monkeypatch) -> None:
+    """Joined without packing (a lean draft where nothing packs, e.g. on a GPU): the peers load it again too."""
+    import copy
+
+    from speculor.bench import peers
+    from speculor.runtime.lean import fuse_projections
+    from speculor.runtime.model import Model
+
+    joined = copy.deepcopy(pair.draft.model)
+    fuse_projections(joined)
+    loaded = []
+    monkeypatch.setattr(peers, "load_model", lambda spec, **kw: (loaded.append(spec), (pair.draft.model, None))[1])
+    assert peers._model_as_given(Model(joined), "the-draft") is pair.draft.model and loaded == ["the-draft"]
+    assert peers._model_as_given(pair.draft, "the-draft") is pair.draft.model and loaded == ["the-draft"]
+
+
 def test_peers_run_the_models_as_given_after_packing(pair, tmp_path, monkeypatch) -> None:
     """A pair loaded with the fast kernels holds no fp32 Linear weights: the transformers peers load the untouched
     models from disk for their call (same tokens as on the stock pair) and free them after it."""

@@ -31,6 +31,7 @@ import torch
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
 from speculor.runtime.kernels import is_packed
+from speculor.runtime.lean import is_joined
 from speculor.runtime.loading import Pair, load_model
 from speculor.runtime.model import Model
 
@@ -67,8 +68,8 @@ def generation_settings(model: torch.nn.Module | None, settings: dict[str, Any])
 
 def _model_as_given(lm: Model, spec: str) -> torch.nn.Module:
     """lm's transformers model if its linears are stock, else the same model loaded again from `spec` (the
-    fast kernels released the original weights)."""
-    if not is_packed(lm.model):
+    fast kernels released the original weights; joined projections changed its structure)."""
+    if not is_packed(lm.model) and not is_joined(lm.model):
         return lm.model
     if not spec:
         raise SpeculorError("the transformers peers need the models as given, but this pair was built with the fast "

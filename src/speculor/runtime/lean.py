@@ -208,6 +208,11 @@ def _stacked(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
     return out
 
 
+def is_joined(model: torch.nn.Module) -> bool:
+    """True when `fuse_projections` joined some of the model's projections (it is no longer the model as given)."""
+    return any(isinstance(m, Part) for m in model.modules())
+
+
 def joint(linears: list[torch.nn.Module]) -> torch.nn.Module | None:
     """The linear whose output is the linears' outputs side by side, when they are its Parts in order; else None."""
     whole = getattr(linears[0], "whole", None)
