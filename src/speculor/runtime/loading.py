@@ -132,10 +132,10 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
         check_same_vocab(tokenizer, d_tok)
         if draft_vocab:  # before packing, so that the subset's rows get the draft's kernel kind
             restrict_draft(d_model, tokenizer, draft_vocab, t_lm.vocab_size)
-        lean = lean_draft and draft_int8 and supports(d_model)
+        kind, lean = Int8Linear if draft_int8 else PackedLinear, lean_draft and draft_int8 and supports(d_model)
         if lean:  # before packing too, each joined matrix packed as it is made
-            fuse_projections(d_model, Int8Linear if can_pack(d_model) else None)
+            fuse_projections(d_model, kind if can_pack(d_model) else None)
         if packed or draft_int8:
-            pack_linears(d_model, Int8Linear if draft_int8 else PackedLinear)
+            pack_linears(d_model, kind)
         d_lm = Model(d_model, vocab_size=t_lm.vocab_size, lean=lean)
     return Pair(t_lm, d_lm, tokenizer, target, draft or "")
