@@ -47,8 +47,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target():
-    """The toy target of the toy-LM modules (modules with transformers models define their own)."""
-    from toy import random_toy
+    """The toy target of the toy-LM modules (modules with transformers models define their own or import
+    support.tiny's)."""
+    from support.toy import random_toy
 
     return random_toy(6, seed=0)
 
@@ -56,6 +57,6 @@ def target():
 @pytest.fixture(scope="module")
 def draft(target):
     """Close enough to the toy target that runs of 0, 1 and 2 accepted tokens (and bonus tokens) all occur."""
-    from toy import perturbed
+    from support.toy import perturbed
 
     return perturbed(target, seed=1, noise=0.8)

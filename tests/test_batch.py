@@ -6,44 +6,36 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_toy import PROMPT, N, V, goodness_of_fit
-from toy import exact_law, perturbed
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from support.batch import PROMPTS, run_batch
+from support.stats import goodness_of_fit
+from support.tiny import VOCAB, tiny_model
+from support.toy import PROMPT, N, V, exact_law, perturbed
 
 from speculor import SamplingConfig, engine
 from speculor.core.tree import block_parents
-from speculor.drafters.base import BatchLedger, ChainDrafter, NgramDrafter, TreeDrafter
-from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions, worth
+from speculor.drafters.base import BatchLedger, drive
+from speculor.drafters.chain import ChainDrafter
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+from speculor.drafters.ngram import NgramDrafter
+from speculor.drafters.static_tree import TreeDrafter
+from speculor.drafters.values import worth
 from speculor.engine import batch as batched_engine
+from speculor.runtime.backend import Block, forward1
 from speculor.runtime.cost import CostModel
-from speculor.runtime.kernels import can_pack, pack_linears
 from speculor.runtime.model import Model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-VOCAB = 64
-
-
-def tiny(seed: int, layers: int = 2) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=1024)
-    model = Qwen2ForCausalLM(cfg).float().eval()
-    if can_pack(model):  # the engine's kernels: oneDNN's multi-row GEMM gives every row the same bits in any batch
-        pack_linears(model)
-    return model
 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Model, Model]:
-    return Model(tiny(0)), Model(tiny(1, layers=1))
-
-
-PROMPTS = [[3, 14, 15, 9, 2, 6], [27, 18, 28], [1, 1, 2, 3, 5, 8, 13, 21, 34], [60, 61]]
+    # packed with the engine's kernels: oneDNN's multi-row GEMM gives every row the same bits in any batch
+    return Model(tiny_model(0, pack=True)), Model(tiny_model(1, layers=1, pack=True))
 
 
 def prefilled(model: Model, prompt: list[int]):
     cache = model.new_cache()
-    model.forward(cache, prompt)
+    forward1(model, cache, prompt)
     cache.keep(list(range(len(prompt))))
     return cache
 
@@ -52,15 +44,15 @@ def test_one_forward_gives_each_block_its_own_logits(pair):
     target, _ = pair
     assert target.batched
     blocks = [([5, 6, 7], [-1, 0]), ([11], []), ([1, 2, 3, 4], [-1, -1, 0]), ([9, 9], [-1])]
-    alone = [target.forward(prefilled(target, p), t, block_parents(torch.tensor(par, dtype=torch.long)))
+    alone = [forward1(target, prefilled(target, p), t, block_parents(torch.tensor(par, dtype=torch.long)))
              for p, (t, par) in zip(PROMPTS, blocks, strict=True)]
     caches = [prefilled(target, p) for p in PROMPTS]
     calls = target.model.model.embed_tokens.forward
     counted = []
     target.model.model.embed_tokens.forward = lambda x: counted.append(x.shape) or calls(x)
     try:
-        together = target.forward_batch([(c, t, block_parents(torch.tensor(par, dtype=torch.long)))
-                                         for c, (t, par) in zip(caches, blocks, strict=True)])
+        together = target.forward([Block(c, t, block_parents(torch.tensor(par, dtype=torch.long)))
+                                   for c, (t, par) in zip(caches, blocks, strict=True)])
     finally:
         target.model.model.embed_tokens.forward = calls
     assert counted == [torch.Size([1, 10])]  # one forward over the 10 stacked rows
@@ -71,14 +63,6 @@ def test_one_forward_gives_each_block_its_own_logits(pair):
             assert torch.equal(a, b)
     for c, p, (t, _) in zip(caches, PROMPTS, blocks, strict=True):  # each cache got its own rows, and only them
         assert c.get_seq_length() == len(p) + len(t) and c.length == len(p)
-
-
-def run_batch(target, makers, prompts, cfgs) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in prompts]
-    entries = [(make(), p, c) for make, p, c in zip(makers, prompts, cfgs, strict=True)]
-    for i, toks in batched_engine.generate(target, entries):
-        out[i].extend(t.id for t in toks)
-    return out
 
 
 def test_batched_greedy_is_token_identical_to_each_request_alone(pair):
@@ -164,10 +148,12 @@ def test_batched_dyspec_with_joint_rounds_follows_the_exact_law(target, monkeypa
 
 def test_chi_square_catches_rows_verified_against_another_request(target, monkeypatch):
     """Negative control: a batch whose logits reach the wrong requests (rotated by one) must be caught."""
-    def rotated(self, blocks):
-        out = [self.forward(c, t, p) for c, t, p in blocks]
+    forward = Model.forward
+
+    def rotated(self, blocks, **kw):
+        out = [forward(self, [b], **kw)[0] for b in blocks]
         return out[1:] + out[:1]
-    monkeypatch.setattr(Model, "forward_batch", rotated)
+    monkeypatch.setattr(Model, "forward", rotated)
     t_model = Model(target)
     counts = torch.zeros([V] * N, dtype=torch.float64)
     for j in range(1500):
@@ -199,10 +185,10 @@ def test_batch_aware_dyspec_decodes_plainly_under_load(pair):
     opts = DySpecOptions(budget="auto")
     d = DySpecDrafter(draft, opts, FLAT)
     d.ledger = BatchLedger(rows=15, tokens=15.0, pending=0)
-    tree = d.propose(PROMPTS[0], SamplingConfig(), None)
+    tree = drive(d.propose(PROMPTS[0], SamplingConfig(), None))
     assert len(tree) == 0 and d.forwards == 0 and d.skipped
     d.ledger = BatchLedger()
-    tree = d.propose(PROMPTS[0], SamplingConfig(), None)
+    tree = drive(d.propose(PROMPTS[0], SamplingConfig(), None))
     assert len(tree) >= 1 and d.forwards >= 1 and not d.skipped
     # in a batch of 16 identical-cost requests, greedy output is still each request's own
     cfg = SamplingConfig(max_new_tokens=8)
@@ -225,10 +211,10 @@ def test_a_catch_up_is_charged_over_the_tokens_left(pair):
         d = DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT)
         cfg, seq = SamplingConfig(max_new_tokens=max_new_tokens), [(7 * i) % VOCAB for i in range(4)]
         d.ledger = BatchLedger()
-        assert len(d.propose(seq, cfg, None)) >= 1 and not d.skipped and d.estimate[0] > 1
+        assert len(drive(d.propose(seq, cfg, None))) >= 1 and not d.skipped and d.estimate[0] > 1
         d.observe(len(seq), Verdict([], 5))
         d.ledger = BatchLedger(rows=1, tokens=1.0)
-        return d, len(d.propose(seq + [5] + [(3 * i) % VOCAB for i in range(40)], cfg, None))
+        return d, len(drive(d.propose(seq + [5] + [(3 * i) % VOCAB for i in range(40)], cfg, None)))
 
     d, size = behind_by_40(44)  # 42 tokens generated, 2 left
     assert size == 0 and d.skipped and d.estimate == (1, 1.0)  # not its last tree: a skipped request is a root
@@ -250,9 +236,9 @@ def test_batch_aware_sequoia_sizes_its_tree_for_the_batch(pair):
     assert plans.for_batch(cfg, BatchLedger(rows=15, tokens=15.0)) is None
     d = plans.drafter()
     d.ledger = BatchLedger(rows=15, tokens=15.0)
-    assert len(d.propose(PROMPTS[0], cfg, None)) == 0 and d.skipped and d.forwards == 0
+    assert len(drive(d.propose(PROMPTS[0], cfg, None))) == 0 and d.skipped and d.forwards == 0
     d.ledger = BatchLedger()
-    assert len(d.propose(PROMPTS[0] + [5], cfg, None)) == len(alone.shape) and not d.skipped
+    assert len(drive(d.propose(PROMPTS[0] + [5], cfg, None))) == len(alone.shape) and not d.skipped
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
     want = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts]
     assert run_batch(target, [plans.drafter] * 6, prompts, [cfg] * 6) == want
@@ -279,11 +265,12 @@ def run_joining(target, makers, prompts, cfgs, chunk: int, join_at: int) -> tupl
     return out, per_step
 
 
-def _recording(forward_batch, chunks: list[int]):
-    """forward_batch that first notes the length of every prompt chunk (a block with parents None) it gets."""
-    def run(blocks):
-        chunks.extend(len(t) for _, t, parents in blocks if parents is None)
-        return forward_batch(blocks)
+def _recording(forward, chunks: list[int]):
+    """forward that first notes the length of every prompt chunk (a chain block whose every row is scored) it gets
+    (a whole prompt's prefill, `engine.start`, asks for its last row's logits only)."""
+    def run(blocks, **kw):
+        chunks.extend(len(b.tokens) for b in blocks if b.parents is None and not b.last)
+        return forward(blocks, **kw)
     return run
 
 
@@ -298,11 +285,11 @@ def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_o
         alone = [[t.id for t in engine.stream(target, make(), p, c)] for make, p, c in zip(makers, prompts, cfgs,
                                                                                           strict=True)]
         chunks: list[int] = []
-        target.forward_batch = _recording(target.forward_batch, chunks)
+        target.forward = _recording(target.forward, chunks)
         try:
             got, per_step = run_joining(target, makers, prompts, cfgs, chunk=2, join_at=2)
         finally:
-            del target.forward_batch
+            del target.forward
         assert got == alone
         assert len(per_step) >= 6 and all(n >= 1 for n in per_step)  # never held up by the joiners' prefill
         assert sorted(chunks) == [1] + [2] * 6  # 9 - 1 and 6 - 1 prompt tokens, at most 2 a step, in the steps

@@ -1,19 +1,21 @@
-"""`speculor bench` end to end on the tiny random pair of test_server (no downloads): records, summary, table,
+"""`speculor bench` end to end on the tiny random pair of support/server.py (no downloads): records, summary, table,
 plots, greedy identity against plain decoding, and the divergence report."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from test_server import TEXTS, tiny_pair
+from support.bench import bench_config
+from support.server import TEXTS, tiny_pair
 
 from speculor.bench import run as bench
+from speculor.bench.config import DEFAULTS, QUICK
 from speculor.bench.prompts import Prompt
-from speculor.cli import add_bench_arguments
+from speculor.bench.specs import parse_strategies
+from speculor.errors import SpeculorError
 
 
 @pytest.fixture(scope="module")
@@ -21,21 +23,14 @@ def pair():
     return tiny_pair()
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    """The options of `speculor bench`, parsed as the CLI parses them (argparse lives in the CLI only)."""
-    p = argparse.ArgumentParser()
-    add_bench_arguments(p)
-    return p.parse_args(list(argv))
-
-
 def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
     prompts = [Prompt("mtbench/1", "mtbench", "writing", TEXTS[0], True),
                Prompt("HumanEval/0", "humaneval", "code", TEXTS[1], False)]
     monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
     monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path / "cache"))  # the cost profile of the tiny pair
-    args = _args("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--temperatures", "0,0.7", "--limit", "2",
-                 "--max-new-tokens", "12", "--rounds", "2", "--out", str(tmp_path))
-    summary = bench.run(args, lambda a: pair)
+    args = bench_config("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--temperatures", "0,0.7", "--limit", "2",
+                        "--max-new-tokens", "12", "--rounds", "2", "--out", str(tmp_path))
+    summary = bench.run(args, lambda: pair)
     assert list(summary) == ["plain", "chain:k=2", "ngram", "hf-assisted"]  # plain first, always
     for label, s in summary.items():
         assert s["greedy_identical"] == 1.0 and s["n_prompts"] == 2 and s["new_tokens"] == 24, label
@@ -50,7 +45,7 @@ def test_bench_run_writes_everything(pair, tmp_path, monkeypatch) -> None:
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 2 * 4 * 2 and all(r["new_tokens"] == 12 for r in records)
     saved = json.loads((tmp_path / "summary.json").read_text())
-    assert saved["_run"]["strategies"] == "chain:k=2,plain,ngram,hf-assisted" and "chain:k=2" in saved
+    assert saved["_run"]["strategies"] == "plain,chain:k=2,ngram,hf-assisted" and "chain:k=2" in saved
     assert "| chain:k=2 | 0.0 |" in (tmp_path / "table.md").read_text()
     assert any(p.suffix == ".png" for p in tmp_path.iterdir())
     assert not (tmp_path / "records.partial.jsonl").exists()  # a finished run keeps its records in one file
@@ -69,35 +64,37 @@ def test_a_run_stopped_early_keeps_its_records(pair, tmp_path, monkeypatch) -> N
 
     monkeypatch.setattr(bench, "run_one", stopped_after_three)
     monkeypatch.setattr(bench, "_warm_up", lambda *a: None)  # its generations are not records
-    args = _args("--strategies", "plain,chain:k=2", "--limit", "1", "--max-new-tokens", "6", "--rounds", "3",
-                 "--out", str(tmp_path))
+    args = bench_config("--strategies", "plain,chain:k=2", "--limit", "1", "--max-new-tokens", "6", "--rounds", "3",
+                        "--out", str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
-        bench.run(args, lambda a: pair)
+        bench.run(args, lambda: pair)
     kept = [json.loads(line) for line in (tmp_path / "records.partial.jsonl").read_text().splitlines()]
     assert [r["round"] for r in kept] == [0, 0, 1] and not (tmp_path / "records.jsonl").exists()
     assert {r["strategy"] for r in kept} == {"plain", "chain:k=2"} and all(r["new_tokens"] == 6 for r in kept)
 
 
 def test_quick_fills_only_what_was_not_given() -> None:
-    args = _args("--quick", "--temperatures", "0,0.7")
-    bench.fill_defaults(args)
-    assert args.temperatures == "0,0.7" and args.limit == bench.QUICK["limit"]
-    plain = _args("--limit", "3")
-    bench.fill_defaults(plain)
-    assert plain.limit == 3 and plain.strategies == bench.DEFAULTS["strategies"]
-    names = [s.name for s in bench.parse_strategies(args.strategies)]
+    args = bench_config("--quick", "--temperatures", "0,0.7")
+    assert args.temperatures == (0.0, 0.7) and args.limit == QUICK["limit"] and args.quick
+    plain = bench_config("--limit", "3")
+    assert plain.limit == 3 and plain.strategies == tuple(parse_strategies(DEFAULTS["strategies"]))
+    names = [s.name for s in args.strategies]
     from speculor.drafters.registry import BUILDERS
 
     assert set(BUILDERS) | {"hf-assisted", "hf-prompt-lookup"} <= set(names)  # --quick runs every strategy
 
 
 def test_parse_strategies_and_divergence() -> None:
-    specs = bench.parse_strategies("chain:k=2:x=0.5,sequoia:budget=auto")
+    specs = parse_strategies("chain:k=2:x=0.5,sequoia:budget=auto")
     assert [(s.label, s.name, s.options) for s in specs] == [
         ("plain", "plain", {}), ("chain:k=2:x=0.5", "chain", {"k": 2, "x": 0.5}),
         ("sequoia:budget=auto", "sequoia", {"budget": "auto"})]
-    with pytest.raises(bench.SpeculorError, match="key=value"):
-        bench.parse_strategies("chain:k")
+    with pytest.raises(SpeculorError, match="key=value"):
+        parse_strategies("chain:k")
+    for bad, message in ((("--rounds", "0"), "rounds"), (("--batch", "0,4"), "batch"),
+                         (("--temperatures", "x"), "temperatures")):
+        with pytest.raises(SpeculorError, match=message):
+            bench_config(*bad)
     assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
@@ -120,9 +117,9 @@ def test_bench_batch_writes_l_at_b_entries(pair, tmp_path, monkeypatch) -> None:
     """--batch: every strategy at every batch size, plain@1 the reference; greedy identity prompt by prompt."""
     prompts = [Prompt(f"p/{i}", "mtbench", "writing", TEXTS[i % len(TEXTS)], True) for i in range(3)]
     monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
-    args = _args("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--limit", "3", "--max-new-tokens", "10",
-                 "--batch", "2,3", "--rounds", "2", "--out", str(tmp_path))
-    summary = bench.run(args, lambda a: pair)
+    args = bench_config("--strategies", "chain:k=2,plain,ngram,hf-assisted", "--limit", "3", "--max-new-tokens", "10",
+                        "--batch", "2,3", "--rounds", "2", "--out", str(tmp_path))
+    summary = bench.run(args, lambda: pair)
     peak = summary.pop("_peak_memory_gib")  # the run's, loading included
     assert peak is None or peak > 0.01
     assert set(summary) == {f"{s}@{b}" for s in ("plain", "chain:k=2", "ngram") for b in (1, 2, 3)}  # no peer

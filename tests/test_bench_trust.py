@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_bench import _args
-from test_server import TEXTS, tiny_pair
+from support.bench import bench_config
+from support.server import TEXTS, tiny_pair
 
 from speculor.bench import machine
 from speculor.bench import run as bench
@@ -149,9 +149,9 @@ def test_rounds_shuffle_the_order_and_spec_bench_reads_the_files(pair, tmp_path,
     prompts = [Prompt(f"q{i}", "mtbench", "writing", TEXTS[i], True) for i in range(3)]
     monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
     monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path / "cache"))
-    args = _args("--strategies", "plain,chain:k=2,ngram", "--limit", "3", "--max-new-tokens", "10", "--rounds", "3",
-                 "--format", "spec-bench", "--out", str(tmp_path))
-    summary = bench.run(args, lambda a: pair)
+    args = bench_config("--strategies", "plain,chain:k=2,ngram", "--limit", "3", "--max-new-tokens", "10",
+                        "--rounds", "3", "--format", "spec-bench", "--out", str(tmp_path))
+    summary = bench.run(args, lambda: pair)
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 3 * 3 * 3
     firsts = {r["strategy"] for r in records if r["position"] == 0}

@@ -6,45 +6,33 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from support.tiny import VOCAB, reference_logits, tiny_model
 
 from speculor import SamplingConfig, engine
-from speculor.drafters.base import ChainDrafter, TreeDrafter
+from speculor.drafters.chain import ChainDrafter
+from speculor.drafters.static_tree import TreeDrafter
 from speculor.engine.loop import _step
 from speculor.runtime import cache as cache_module
+from speculor.runtime.backend import forward1
 from speculor.runtime.model import Model
-
-VOCAB = 64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(seed: int, layers: int = 2) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=1024)
-    return Qwen2ForCausalLM(cfg).float().eval()
-
-
 @pytest.fixture(scope="module")
 def model() -> Model:
-    return Model(tiny(0))
-
-
-def reference(model: Model, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model.model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+    return Model(tiny_model(0))
 
 
 def test_keep_moves_only_the_accepted_rows(model):
     cache = model.new_cache()
     prefix = [5, 9, 11, 2, 40]
-    model.forward(cache, prefix)
+    forward1(model, cache, prefix)
     cache.keep(list(range(len(prefix))))
     layer = cache.layers[0]
     buf, before = layer.k_buf.data_ptr(), layer.k_buf.clone()
     # a tree under the last committed token: 0 -> 1 -> 3, 0 -> 2; 4 under the root
-    model.forward(cache, [7, 8, 9, 10, 12], torch.tensor([-1, 0, 0, 1, -1]))
+    forward1(model, cache, [7, 8, 9, 10, 12], torch.tensor([-1, 0, 0, 1, -1]))
     pending = layer.k_buf[..., 5:10, :].clone()
     cache.keep([0, 1, 3])
     assert cache.length == 8 and len(cache.pending) == 0 and cache.get_seq_length() == 8
@@ -52,7 +40,7 @@ def test_keep_moves_only_the_accepted_rows(model):
     assert torch.equal(layer.k_buf[..., :5, :], before[..., :5, :])  # committed entries untouched
     assert torch.equal(layer.k_buf[..., 5:8, :], pending[..., [0, 1, 3], :])  # accepted rows moved in order
     # the next forward sees exactly prefix + the accepted path
-    assert (model.forward(cache, [3])[0] - reference(model, prefix + [7, 8, 10, 3])).abs().max() < 1e-4
+    assert (forward1(model, cache, [3])[0] - reference_logits(model.model, prefix + [7, 8, 10, 3])).abs().max() < 1e-4
 
 
 def test_trim_and_growth_keep_the_cache_right(model, monkeypatch):
@@ -60,19 +48,19 @@ def test_trim_and_growth_keep_the_cache_right(model, monkeypatch):
     cache = model.new_cache()
     seq = [(7 * i + 3) % VOCAB for i in range(37)]
     for i in range(0, len(seq), 5):  # blocks of 5: the buffers start at 5 slots and double three times
-        model.forward(cache, seq[i:i + 5])
+        forward1(model, cache, seq[i:i + 5])
         cache.keep(list(range(len(seq[i:i + 5]))))
     assert cache.length == len(seq) and cache.layers[0].k_buf.shape[-2] == 40  # 5 (the first block), 10, 20, 40
-    assert (model.forward(cache, [1])[0] - reference(model, seq + [1])).abs().max() < 1e-4
+    assert (forward1(model, cache, [1])[0] - reference_logits(model.model, seq + [1])).abs().max() < 1e-4
     cache.trim(10)
     assert cache.length == 10 and cache.get_seq_length() == 10 and len(cache.pending) == 0
-    assert (model.forward(cache, [1])[0] - reference(model, seq[:10] + [1])).abs().max() < 1e-4
+    assert (forward1(model, cache, [1])[0] - reference_logits(model.model, seq[:10] + [1])).abs().max() < 1e-4
 
 
 def test_requests_share_the_model_not_their_state(model):
     """Two requests decoded step by step in turn on one target and one draft model emit exactly what each emits
     alone: the models hold no request state (greedy, a chain and a tree drafter)."""
-    draft = Model(tiny(1, layers=1))
+    draft = Model(tiny_model(1, layers=1))
     cfg = SamplingConfig(max_new_tokens=12)
     prompts = [[3, 14, 15, 9, 2, 6], [27, 18, 28]]
     makers = [lambda: ChainDrafter(draft, 3), lambda: TreeDrafter(draft, [-1, -1, 0, 1, 2], "swor")]
@@ -94,7 +82,7 @@ def test_requests_share_the_model_not_their_state(model):
 def test_sampled_requests_depend_on_their_own_seed_only(model):
     """At temperature > 0 a request's output is decided by its seed: interleaving it with another request
     (another seed, another temperature) does not change it."""
-    draft = Model(tiny(1, layers=1))
+    draft = Model(tiny_model(1, layers=1))
     a = SamplingConfig(temperature=0.9, seed=11, max_new_tokens=10)
     b = SamplingConfig(temperature=1.3, top_p=0.9, seed=12, max_new_tokens=10)
     prompt = [4, 8, 15, 16, 23, 42]

@@ -198,7 +198,7 @@ def test_the_clis_static_tables_agree_with_the_registry() -> None:
 
 
 def test_bench_help_shows_the_bench_defaults(capsys) -> None:
-    from speculor.bench.run import DEFAULTS, QUICK, fill_defaults
+    from speculor.bench.config import DEFAULTS, QUICK, BenchConfig
 
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
@@ -207,8 +207,8 @@ def test_bench_help_shows_the_bench_defaults(capsys) -> None:
     assert f"(default {DEFAULTS['max_new_tokens']})" in text and f"(default {DEFAULTS['temperatures']})" in text
     assert f"{QUICK['limit']} prompts, {QUICK['max_new_tokens']} tokens" in text
     args = cli._parser().parse_args(["bench", "--quick", "--limit", "5"])
-    fill_defaults(args)
-    assert args.limit == 5 and args.strategies == QUICK["strategies"]
+    cfg = BenchConfig.from_args(args)
+    assert cfg.limit == 5 and ",".join(s.label for s in cfg.strategies) == QUICK["strategies"]
 
 
 # ------------------------------------------------------------------------------------------- imports resolve
@@ -244,7 +244,7 @@ def test_every_name_the_commands_import_exists() -> None:
 @pytest.mark.parametrize("json_out", [False, True])
 def test_generate_prints_the_peak_memory(json_out, monkeypatch, capsys) -> None:
     """One stderr line with the process's peak resident memory (runtime/memory.py), after the text or the JSON."""
-    from test_server import tiny_pair
+    from support.server import tiny_pair
 
     monkeypatch.setattr(commands, "load_pair_from_args", lambda args: tiny_pair())
     assert cli.main(["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "4"]

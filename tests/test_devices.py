@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tiny_transformers import WORDS, perturbed, reference_greedy, tiny_qwen2, word_tokenizer
+from support.tiny import WORDS, perturbed, reference_greedy, tiny_model, word_tokenizer
 
 from speculor import Model, Pair, SamplingConfig, Speculor
 from speculor.engine import batch as batched_engine
@@ -29,8 +29,8 @@ N = 16
 
 @pytest.fixture(scope="module", params=DEVICES)
 def device_pair(request) -> tuple[str, Pair]:
-    target = tiny_qwen2(0).to(request.param)
-    draft = perturbed(tiny_qwen2(0), 0.1, seed=2).to(request.param)
+    target = tiny_model(0, vocab=len(WORDS), context=64).to(request.param)
+    draft = perturbed(tiny_model(0, vocab=len(WORDS), context=64), 0.1, seed=2).to(request.param)
     # the draft through lean.py's forward, as load_pair runs it
     return request.param, Pair(Model(target), Model(draft, lean=True), word_tokenizer(WORDS), "tiny-t", "tiny-d")
 
@@ -38,22 +38,12 @@ def device_pair(request) -> tuple[str, Pair]:
 @pytest.fixture(scope="module")
 def references(device_pair) -> list[list[int]]:
     _, pair = device_pair
-    return [reference_greedy_on(pair.target.model, p, N) for p in PROMPTS]
-
-
-def reference_greedy_on(model, prompt: list[int], n: int) -> list[int]:
-    """reference_greedy with the input on the model's device."""
-    seq = list(prompt)
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(torch.argmax(model(input_ids=torch.tensor([seq], device=device)).logits[0, -1])))
-    return seq[len(prompt):]
+    return [reference_greedy(pair.target.model, p, N) for p in PROMPTS]  # on the model's device
 
 
 def test_reference_is_the_cpu_reference(device_pair, references):
     """The device's own greedy tokens (what every strategy must match there) are the CPU model's too."""
-    cpu = tiny_qwen2(0)
+    cpu = tiny_model(0, vocab=len(WORDS), context=64)
     assert references == [reference_greedy(cpu, p, N) for p in PROMPTS]
 
 
@@ -110,7 +100,7 @@ def test_offloaded_target_decodes_the_same_tokens(references, device_pair):
     from speculor.runtime.loading import offload_to
 
     device, pair = device_pair
-    target = tiny_qwen2(0)
+    target = tiny_model(0, vocab=len(WORDS), context=64)
     offload_to(target, device)
     assert {p.device.type for p in target.parameters()} == {"meta"}
     offloaded = Pair(Model(target, device=device), pair.draft, pair.tokenizer)

@@ -10,24 +10,24 @@ import copy
 import numpy as np
 import pytest
 import torch
-from test_engine_toy import PROMPT, N, goodness_of_fit
-from test_tree_drafting import PROMPTS, reference_greedy
-from test_tree_drafting import draft as draft  # noqa: F401  (fixtures)
-from test_tree_drafting import target as target  # noqa: F401
-from toy import Watched, exact_law, random_toy
+from support.stats import goodness_of_fit
+from support.tiny import PROMPTS, VOCAB, WORDS, reference_greedy, word_tokenizer
+from support.tiny import draft as draft  # noqa: F401  (fixtures)
+from support.tiny import target as target  # noqa: F401
+from support.toy import PROMPT, N, Watched, exact_law, random_toy
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import speculor.core.verify
 from speculor import Model, SamplingConfig, SpeculorError, engine, load_pair
-from speculor.drafters.base import ChainDrafter
+from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.runtime import draft_vocab
+from speculor.runtime.backend import Block, forward1
 from speculor.runtime.draft_vocab import VocabSubsetLinear, choose, restrict_head
 from speculor.runtime.kernels import Int8Linear, PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 64
 SUBSET = torch.tensor([i for i in range(VOCAB) if i % 3 != 1])  # 43 of 64 ids; 1, 4, 7, ... are never drafted
 OUTSIDE = torch.tensor([i for i in range(VOCAB) if i % 3 == 1])
 
@@ -77,13 +77,13 @@ def test_restricted_logits_equal_full_logits_on_the_subset_on_every_path(draft, 
     pairs = []
     for model, out in ((f, []), (s, [])):  # chain, tree, last row, hidden states, batched
         cache, other = model.new_cache(), model.new_cache()
-        out.append(model.forward(cache, prompt))
+        out.append(forward1(model, cache, prompt))
         cache.keep(list(range(len(prompt))))
-        out.append(model.forward(cache, [5, 6, 7, 8], tree))
-        out.append(model.forward(cache, [9, 10], append=True))
-        out.append(model.forward(cache, [11, 12], last=True))
-        out.append(model.forward(cache, [13], hidden=True)[0])
-        out.extend(model.forward_batch([(cache, [14, 15, 16], None), (other, PROMPTS[0], None)]))
+        out.append(forward1(model, cache, [5, 6, 7, 8], tree))
+        out.append(forward1(model, cache, [9, 10], append=True))
+        out.append(forward1(model, cache, [11, 12], last=True))
+        out.append(forward1(model, cache, [13], hidden=True)[0])
+        out.extend(model.forward([Block(cache, [14, 15, 16]), Block(other, PROMPTS[0])]))
         pairs.append(out)
     for a, b in zip(*pairs, strict=True):
         assert a.shape == b.shape and b.shape[-1] == VOCAB
@@ -227,9 +227,7 @@ def test_bad_sizes_and_a_missing_list_are_clear_errors(monkeypatch, draft):  # n
             draft_vocab.check_size(n)
     with pytest.raises(SpeculorError, match="needs a draft"):
         load_pair("no-such-folder", None, draft_vocab=8)
-    from test_tiny_transformers import WORDS, word_tokenizer  # a tokenizer other than the list's
-
-    with pytest.raises(SpeculorError, match="another tokenizer"):
+    with pytest.raises(SpeculorError, match="another tokenizer"):  # a tokenizer other than the list's
         draft_vocab.restrict_draft(copy.deepcopy(draft), word_tokenizer(WORDS[:VOCAB]), 8, VOCAB)
     monkeypatch.setattr(draft_vocab, "LIST_FILE", "data/no_such_list.npy")
     draft_vocab.shipped_list.cache_clear()
@@ -241,8 +239,6 @@ def test_bad_sizes_and_a_missing_list_are_clear_errors(monkeypatch, draft):  # n
 
 
 def test_special_ids_of_a_tokenizer():
-    from test_tiny_transformers import WORDS, word_tokenizer
-
     assert draft_vocab.special_ids(word_tokenizer(WORDS)) == [1]  # <eos>
 
 

@@ -1,39 +1,45 @@
-"""Draft forwards batched across requests (engine/drafting.py, Model.forward_many, LeanDecoder.forward,
+"""Draft forwards batched across requests (engine/drafting.py, Model.forward, LeanDecoder.forward,
 kernels.scale_rows): one draft forward per round for all requests; rows computed apart give a request the same
 bits alone and in any batch (so a sampled request's output follows from its seed alone); the batch-aware budget
 prices a draft row inside the shared forward; a failing request ends the step cleanly."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from test_batch import PROMPTS, run_batch
-from test_batch import tiny as packed_tiny
-from test_lean import tiny
+from support.batch import PROMPTS, run_batch
+from support.tiny import tiny_model
 
 from speculor import SamplingConfig, engine
-from speculor.drafters.base import BatchLedger, ChainDrafter, NgramDrafter, TreeDrafter
-from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions, worth
+from speculor.drafters.base import BatchLedger, Drafter, Forward, drive
+from speculor.drafters.chain import ChainDrafter
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+from speculor.drafters.ngram import NgramDrafter
+from speculor.drafters.static_tree import TreeDrafter
+from speculor.drafters.values import worth
 from speculor.engine import drafting
-from speculor.engine.drafting import Book, rendezvous
+from speculor.engine.drafting import Book, rounds
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Block, forward1
 from speculor.runtime.cost import CostModel
 from speculor.runtime.kernels import Int8Linear, apply, pack_linears, scale_rows
-from speculor.runtime.model import Call, Model
+from speculor.runtime.model import Model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 fbgemm = pytest.mark.skipif(torch.backends.quantized.engine not in ("x86", "fbgemm"), reason="needs fbgemm")
 
 
 def int8_draft(seed: int = 5) -> Model:
-    model = tiny(seed, layers=2)
+    model = tiny_model(seed, layers=2)
     pack_linears(model, Int8Linear)
     return Model(model, lean=True)
 
 
 @pytest.fixture(scope="module")
 def models() -> tuple[Model, Model]:
-    return Model(packed_tiny(0)), int8_draft()
+    return Model(tiny_model(0, pack=True)), int8_draft()
 
 
 # ---------------------------------------------------------------- the kernel: rows apart
@@ -63,7 +69,7 @@ def test_scaled_rows_are_computed_apart_and_per_call_rows_are_not() -> None:
 
 def _prefilled(model: Model, prompt: list[int]):
     cache = model.new_cache()
-    model.forward(cache, prompt)
+    forward1(model, cache, prompt)
     cache.keep(list(range(len(prompt))))
     return cache
 
@@ -74,16 +80,16 @@ def test_forward_many_gives_each_call_its_own_result(models, apart: bool) -> Non
     """Calls of several kinds (a tree block, an appended depth, last=True, hidden=True) in one forward: each gets
     what it gets alone (the same bits with rows apart), and each cache only its own rows."""
     _, draft = models
-    calls = lambda caches: [Call(caches[0], [5, 6, 7], torch.tensor([-1, 0, 0])),  # noqa: E731
-                            Call(caches[1], [11], last=True),
-                            Call(caches[2], [1, 2, 3, 4], hidden=True),
-                            Call(caches[3], [9, 9], torch.tensor([-1, -1]), append=True)]
+    calls = lambda caches: [Block(caches[0], [5, 6, 7], torch.tensor([-1, 0, 0])),  # noqa: E731
+                            Block(caches[1], [11], last=True),
+                            Block(caches[2], [1, 2, 3, 4], hidden=True),
+                            Block(caches[3], [9, 9], torch.tensor([-1, -1]), append=True)]
     alone_caches = [_prefilled(draft, p) for p in PROMPTS]
-    draft.forward(alone_caches[3], [8], torch.tensor([-1]))  # a pending row to append after
-    alone = [draft.forward_many([c], apart=apart)[0] for c in calls(alone_caches)]
+    forward1(draft, alone_caches[3], [8], torch.tensor([-1]))  # a pending row to append after
+    alone = [draft.forward([c], apart=apart)[0] for c in calls(alone_caches)]
     caches = [_prefilled(draft, p) for p in PROMPTS]
-    draft.forward(caches[3], [8], torch.tensor([-1]))
-    together = draft.forward_many(calls(caches), apart=apart)
+    forward1(draft, caches[3], [8], torch.tensor([-1]))
+    together = draft.forward(calls(caches), apart=apart)
     pairs = [(a, b) for x, y in zip(alone, together, strict=True)
              for a, b in (zip(x, y, strict=True) if isinstance(x, tuple) else [(x, y)])]  # hidden: logits and states
     assert len(pairs) == 5
@@ -97,17 +103,17 @@ def test_forward_many_gives_each_call_its_own_result(models, apart: bool) -> Non
 
 def test_fp32_lean_rows_stack_like_separate_forwards() -> None:
     """A fp32 lean draft (no int8 kernel): two chains in one forward equal their own forwards."""
-    model = Model(tiny(7), lean=True)
+    model = Model(tiny_model(7), lean=True)
     a, b = _prefilled(model, PROMPTS[0]), _prefilled(model, PROMPTS[1])
     a2, b2 = _prefilled(model, PROMPTS[0]), _prefilled(model, PROMPTS[1])
-    want = [model.forward(a2, [4, 5]), model.forward(b2, [6])]
+    want = [forward1(model, a2, [4, 5]), forward1(model, b2, [6])]
     for apart in (False, True):
-        got = model.forward_many([Call(a, [4, 5]), Call(b, [6])], apart=apart)
+        got = model.forward([Block(a, [4, 5]), Block(b, [6])], apart=apart)
         for w, g in zip(want, got, strict=True):
             assert (w - g).abs().max() < 1e-5
 
 
-# ---------------------------------------------------------------- the rendezvous
+# ---------------------------------------------------------------- the rounds
 
 class Counting:
     """Counts the lean forwards of a draft model and the rows of each."""
@@ -162,43 +168,42 @@ def test_batched_drafts_keep_greedy_output_and_a_seed_its_sample(models) -> None
     assert run_batch(target, [lambda: ChainDrafter(draft, 2), tree], PROMPTS[:2], [other_seed, others[0]])[0] != alone
 
 
-class Failing:
-    """A drafter whose propose fails after one draft forward."""
+class Failing(Drafter):
+    """A drafter whose propose fails after one draft forward; `closed` once its proposal was ended from outside."""
 
-    forwards = 0
-
-    def __init__(self, model: Model) -> None:
-        self.model, self.cache = model, model.new_cache()
-
-    def reset(self) -> None:
-        pass
+    def __init__(self, model: Model, after: int = 1) -> None:
+        self.model, self.cache, self.after, self.closed = model, model.new_cache(), after, False
 
     def propose(self, seq, cfg, generator):
-        self.model.forward(self.cache, seq)
+        try:
+            for _ in range(self.after):
+                yield Forward(self.model, Block(self.cache, seq))
+        except GeneratorExit:
+            self.closed = True
+            raise
         raise SpeculorError("draft logits are not finite")
-
-    def observe(self, n_committed, verdict) -> None:
-        pass
 
 
 @fbgemm
-def test_a_failing_request_fails_the_step_and_its_workers_serve_the_next(models) -> None:
-    import threading
-
+def test_a_failing_request_fails_the_step_and_ends_the_others_proposals(models) -> None:
     target, draft = models
     cfg = SamplingConfig(max_new_tokens=4)
-    drafting.propose_all([engine.start(target, ChainDrafter(draft, 2), p, cfg) for p in PROMPTS[:3]], Book(3))
-    before = threading.active_count()  # the workers of a step of three, kept
+    waiting = Failing(draft, after=3)  # still waiting for its second forward when the other fails
     reqs = [engine.start(target, d, p, cfg) for d, p in zip(
-        [ChainDrafter(draft, 3), Failing(draft), ChainDrafter(draft, 3)], PROMPTS[:3], strict=True)]
+        [ChainDrafter(draft, 3), Failing(draft), waiting], PROMPTS[:3], strict=True)]
     with pytest.raises(SpeculorError, match="not finite"):
         drafting.propose_all(reqs, Book(3))
-    assert threading.active_count() == before  # no thread left waiting: the workers are back, none was added
+    assert waiting.closed  # its proposal was ended where it waited, not left suspended
     with pytest.raises(ZeroDivisionError):
-        rendezvous([lambda: 1 / 0], apart=False)
+        rounds([_raising()], apart=False)
     trees, _ = drafting.propose_all([engine.start(target, ChainDrafter(draft, 2), p, cfg) for p in PROMPTS[:3]],
                                     Book(3))
-    assert [len(t) for t in trees] == [2, 2, 2] and threading.active_count() == before  # the workers serve again
+    assert [len(t) for t in trees] == [2, 2, 2]  # the next step drafts as usual
+
+
+def _raising():
+    yield from ()
+    return 1 / 0
 
 
 # ---------------------------------------------------------------- the batch-aware budget inside shared forwards
@@ -228,13 +233,25 @@ def test_batch_aware_dyspec_with_batched_drafts_keeps_greedy_output(models) -> N
     assert run_batch(target, [lambda: DySpecDrafter(draft, opts, FLAT)] * 6, prompts, [cfg] * 6) == want
 
 
-def test_jobs_run_in_the_callers_grad_and_inference_modes() -> None:
-    """Grad and inference modes are thread-local: each job's thread takes the caller's."""
-    with torch.inference_mode():
-        assert rendezvous([torch.is_inference_mode_enabled] * 2, apart=False) == [True, True]
-    assert rendezvous([torch.is_inference_mode_enabled] * 2, apart=False) == [False, False]
-    with torch.no_grad():
-        assert rendezvous([torch.is_grad_enabled] * 2, apart=False) == [False, False]
+@fbgemm
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_proposal_driven_alone_gives_the_tree_it_gives_inside_a_batch(models, temperature: float) -> None:
+    """Each drafter's generator driven alone (`drive`) and driven round by round beside other requests' proposals
+    (`propose_all`): the same tree, token for token, and the same q (rows computed apart when sampling)."""
+    target, draft = models
+    makers = [lambda: ChainDrafter(draft, 3), lambda: TreeDrafter(draft, [-1, -1, 0, 1, 2], "swor"),
+              lambda: DySpecDrafter(draft, DySpecOptions(budget=6)), lambda: NgramDrafter(k=4)]
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=4)
+    apart = temperature > 0
+    for i, make in enumerate(makers):
+        alone = drive(make().propose(PROMPTS[i], cfg, torch.Generator().manual_seed(i)), apart=apart)
+        reqs = [engine.start(target, m(), p, replace(cfg, seed=i if j == i else 50 + j))
+                for j, (m, p) in enumerate(zip(makers, PROMPTS, strict=True))]
+        together = drafting.propose_all(reqs, Book(len(reqs)))[0][i]
+        assert torch.equal(alone.tokens, together.tokens) and torch.equal(alone.parents, together.parents)
+        assert (alone.q is None) == (together.q is None)
+        if alone.q is not None:
+            assert torch.equal(alone.q, together.q)
 
 
 # ---------------------------------------------------------------- joint rounds: each draft round priced once
@@ -264,17 +281,26 @@ def test_settle_leaves_out_a_bid_whose_rows_cost_more_than_it_brings() -> None:
 
 
 def test_bids_of_a_round_are_settled_together_before_its_forward() -> None:
-    """Jobs bid through their seats inside a rendezvous: each gets the joint answer, and the seat outside a
-    rendezvous answers None (the drafter decides alone)."""
+    """Proposals bid through their seats: each gets the joint answer; driven alone, or with joint=False, a bid is
+    answered None (the drafter decides alone)."""
     book = Book(3)
     seats = [book.seat(i) for i in range(3)]
     gains = [0.3, 0.3, 0.3]
-    got = rendezvous([lambda s=s, g=g: s.round(ROUNDS, g, 1, 1) for s, g in zip(seats, gains, strict=True)],
-                     apart=False)
+    got = rounds([_bidder(s, g) for s, g in zip(seats, gains, strict=True)], apart=False)
     assert got == [True, True, True]
-    lone = rendezvous([lambda: seats[0].round(ROUNDS, 0.3, 1, 1), lambda: "no bid"], apart=False)
-    assert lone == [False, "no bid"]  # the other job bid nothing: the round would be this bid's alone
-    assert seats[0].round(ROUNDS, 0.3, 1, 1) is None
+    lone = rounds([_bidder(seats[0], 0.3), _no_bid()], apart=False)
+    assert lone == [False, "no bid"]  # the other proposal bid nothing: the round would be this bid's alone
+    assert drive(_bidder(seats[0], 0.3)) is None  # driven alone: it decides alone
+    assert rounds([_bidder(s, 0.3) for s in seats], apart=False, joint=False) == [None] * 3
+
+
+def _bidder(seat, gain: float):
+    return (yield from seat.round(ROUNDS, gain, 1, 1))
+
+
+def _no_bid():
+    yield from ()
+    return "no bid"
 
 
 def test_settle_charges_a_catch_up_share_to_its_own_bid() -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tree_drafting import PROMPTS, reference_greedy, reference_logits, tiny_qwen2
-from test_tree_drafting import draft as draft  # noqa: F401  (fixtures)
-from test_tree_drafting import pair as pair  # noqa: F401
-from test_tree_drafting import target as target  # noqa: F401
-from toy import Watched
+from support.tiny import PROMPTS, reference_greedy, reference_logits, tiny_model
+from support.tiny import draft as draft  # noqa: F401  (fixtures)
+from support.tiny import pair as pair  # noqa: F401
+from support.tiny import target as target  # noqa: F401
+from support.toy import Watched
 
 from speculor import Model, SamplingConfig, Speculor, SpeculorError, engine
 from speculor.core.tree import path_to
@@ -99,7 +99,7 @@ def test_greedy_equals_plain_greedy(target, draft, name):  # noqa: F811
 
 
 def test_greedy_with_an_unrelated_draft(target):  # noqa: F811
-    other = tiny_qwen2(7, hidden=16, layers=1)
+    other = tiny_model(7, hidden=16, layers=1, context=128)
     for name, drafter in drafters(Model(other)).items():
         out = [t.id for t in engine.stream(Model(target), drafter, PROMPTS[3], SamplingConfig(max_new_tokens=12))]
         assert out == reference_greedy(target, PROMPTS[3], 12), name

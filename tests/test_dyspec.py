@@ -4,48 +4,31 @@ reproducing the heap tree (§5.2), the auto budget's rule, the exact law of full
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-from test_engine_toy import goodness_of_fit
-from toy import ToyLM, exact_law, plain_greedy, random_toy
+from support.stats import counts, goodness_of_fit
+from support.toy import CRAFTED, T1, N, ToyLM, V, exact_law, plain_greedy, random_toy
 
 from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.tree import DraftTree, path_to
-from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions, expected_gain, steer, worth
+from speculor.drafters.base import drive
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+from speculor.drafters.values import expected_gain, steer, worth
 from speculor.errors import SpeculorError
 from speculor.runtime.cost import CostModel
 from speculor.runtime.model import Model
 
-V = 6
-N = 3
-T1 = SamplingConfig(temperature=1.0)
 GREEDY = SamplingConfig()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def first_order(q: list[list[float]]) -> ToyLM:
-    """A toy whose next-token law depends on the last token only: q(·|x) = q[x] (B tables zero)."""
-    v = len(q)
-    a = torch.tensor(q, dtype=torch.float64).log()
-    return ToyLM(a, torch.zeros(v, v), torch.zeros(v))
-
-
-# q(·|last token); no two draw values below tie
-CRAFTED = first_order([[0.10, 0.55, 0.35, 0.00],
-                       [0.45, 0.15, 0.40, 0.00],
-                       [0.20, 0.10, 0.30, 0.40],
-                       [0.25, 0.25, 0.25, 0.25]])
-
-
 def grow(model: ToyLM, seq: list[int], cfg: SamplingConfig, seed: int = 0, **options) -> tuple[DraftTree,
                                                                                                   DySpecDrafter]:
     drafter = DySpecDrafter(Model(model), DySpecOptions(**options))
-    tree = drafter.propose(seq, cfg, torch.Generator().manual_seed(seed))
+    tree = drive(drafter.propose(seq, cfg, torch.Generator().manual_seed(seed)))
     return tree, drafter
 
 
@@ -140,11 +123,11 @@ def test_steered_threshold(draft):
     for seed in range(8):
         ts.append(drafter.t)
         drafter.cache = draft_model.new_cache()  # a fresh draft cache; reset() would also restart the threshold
-        tree = drafter.propose([1, 2], T1, torch.Generator().manual_seed(seed))
+        tree = drive(drafter.propose([1, 2], T1, torch.Generator().manual_seed(seed)))
         assert len(tree) <= 4 and drafter.stats["threshold"] == ts[-1]
     assert ts[0] == 0.25 and len(set(ts)) > 1  # it moved
     fixed = DySpecDrafter(Model(draft), DySpecOptions("threshold", budget=4, threshold=0.01))
-    fixed.propose([1, 2], T1, None)
+    drive(fixed.propose([1, 2], T1, None))
     assert fixed.t == 0.01 and not fixed.opts.adaptive
 
 
@@ -191,19 +174,10 @@ class PrunedAfterSampling(DySpecDrafter):
     cut = 0.3
 
     def propose(self, seq, cfg, generator):
-        tree = super().propose(seq, cfg, generator)
+        tree = yield from super().propose(seq, cfg, generator)
         keep = [i for i in range(len(tree)) if self.values[i] >= self.cut]
         self.rows = {}
         return DraftTree(tree.tokens[keep], torch.full((len(keep),), -1), tree.q[keep], "swor")
-
-
-def counts(target: ToyLM, drafter, prompt: list[int], m: int, seed0: int) -> torch.Tensor:
-    t_model = Model(target)
-    out = torch.zeros([V] * N, dtype=torch.float64)
-    for i in range(m):
-        run = replace(T1, max_new_tokens=N, seed=seed0 + i)
-        out[tuple(t.id for t in engine.stream(t_model, drafter, prompt, run))] += 1
-    return out
 
 
 @pytest.mark.parametrize(("variant", "options"), [("heap", {"budget": 5, "batch": 2}),

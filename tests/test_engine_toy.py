@@ -6,19 +6,14 @@ import math
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from toy import ToyLM, exact_law, next_distribution, perturbed, plain_greedy, random_toy
+from support.stats import goodness_of_fit
+from support.toy import PROMPT, N, ToyLM, V, exact_law, next_distribution, perturbed, plain_greedy, random_toy
 
 import speculor.core.verify
 from speculor import engine
 from speculor.config import SamplingConfig
-from speculor.drafters.base import ChainDrafter
+from speculor.drafters.chain import ChainDrafter
 from speculor.runtime.model import Model
-
-V = 6
-N = 3  # tokens whose joint law is tested (V**N = 216 cells)
-PROMPT = [1, 2]
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,7 +65,7 @@ class CheckingDrafter(ChainDrafter):
         self.proposals = 0
 
     def propose(self, seq, cfg, generator):
-        tree = super().propose(seq, cfg, generator)
+        tree = yield from super().propose(seq, cfg, generator)
         toy: ToyLM = self.model.model
         ctx = list(seq)
         for i, y in enumerate(tree.tokens.tolist()):
@@ -140,23 +135,6 @@ def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed
         toks = tuple(t.id for t in engine.stream(t_model, drafter, PROMPT, run))
         counts[toks] += 1
     return counts
-
-
-def goodness_of_fit(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, float, float]:
-    """(chi-square p-value with cells of expected count < 5 pooled, TV distance, TV noise floor)."""
-    m = float(counts.sum())
-    obs, exp = counts.flatten().numpy(), (law.flatten() * m).numpy()
-    assert obs[exp == 0].sum() == 0, "a token sequence of probability 0 was generated"
-    big = exp >= 5
-    f_obs = list(obs[big]) + ([obs[~big].sum()] if (~big).any() else [])
-    f_exp = list(exp[big]) + ([exp[~big].sum()] if (~big).any() else [])
-    if f_exp[-1] == 0:
-        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
-    pvalue = float(chisquare(f_obs, f_exp).pvalue)
-    p = law.flatten()
-    tv = 0.5 * float((counts.flatten() / m - p).abs().sum())
-    floor = 0.5 * float(torch.sqrt(2 * p * (1 - p) / (math.pi * m)).sum())
-    return pvalue, tv, floor
 
 
 LAW_CASES = {

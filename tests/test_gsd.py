@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dyspec import CRAFTED, T1, counts
-from test_engine_toy import goodness_of_fit
-from toy import exact_law, plain_greedy
+from support.stats import counts, goodness_of_fit
+from support.toy import CRAFTED, T1, exact_law, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
+from speculor.drafters.base import drive
 from speculor.drafters.gsd import Dag, GSDDrafter, GSDOptions, candidates, merge_target, savings, tail, unroll
 from speculor.errors import SpeculorError
 from speculor.runtime.model import Model
@@ -91,14 +91,14 @@ def test_drafting_merges_and_reports_the_work_saved():
     """A first-order draft (q depends on the last token) with k = 1: a candidate after token a merges into an
     earlier node with the same token after a, and its subtree is reused in the unrolled tree."""
     merged = GSDDrafter(Model(CRAFTED), GSDOptions(n=3, k=1, depth=4, budget=64))
-    tree = merged.propose([3, 0], SamplingConfig(), None)
+    tree = drive(merged.propose([3, 0], SamplingConfig(), None))
     s = merged.stats
     assert s["merges"] > 0 and s["verified"] == len(tree)
     assert s["tokens_saved"] == len(tree) - sum(merged.unrolled.real) > 0
     assert sum(merged.unrolled.real) == s["drafted"]  # every drafted node is in the tree once in its own context
     assert all(merged.unrolled.real[i] for i in merged.rows)  # cache rows only where the context is true
     off = GSDDrafter(Model(CRAFTED), GSDOptions(n=3, k=-1, depth=4, budget=64))
-    off.propose([3, 0], SamplingConfig(), None)
+    drive(off.propose([3, 0], SamplingConfig(), None))
     assert off.stats["merges"] == 0 and off.stats["tokens_saved"] == 0
     # merging drafted and fed fewer tokens, and verified more
     assert s["drafted"] < off.stats["drafted"] and s["fed_rows"] < off.stats["fed_rows"]

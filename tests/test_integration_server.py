@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_server import live_server
+from support.server import live_server
 
 from speculor import SamplingConfig, Speculor
 from speculor.bench import loadtest

@@ -112,7 +112,7 @@ def test_packed_model_holds_each_weight_once_and_gives_the_same_logits(tie: bool
 
 def test_packed_model_gives_the_same_greedy_tokens() -> None:
     from speculor.config import SamplingConfig
-    from speculor.drafters.base import ChainDrafter
+    from speculor.drafters.chain import ChainDrafter
     from speculor.engine import stream
     from speculor.runtime.model import Model
 

@@ -9,26 +9,18 @@ import copy
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from support.tiny import VOCAB, WORDS, perturbed, tiny_model, word_tokenizer
 
 from speculor import Model, SamplingConfig, SpeculorError, engine, load_pair
-from speculor.drafters.base import ChainDrafter, TreeDrafter
+from speculor.drafters.chain import ChainDrafter
+from speculor.drafters.static_tree import TreeDrafter
+from speculor.runtime.backend import Block, forward1
 from speculor.runtime.draft_vocab import restrict_head
 from speculor.runtime.kernels import Int8Linear, PackedLinear, pack_linears
 from speculor.runtime.lean import LeanDecoder, Part, fuse_projections, joint, supports
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-VOCAB = 64
 TOL = 1e-5
-
-
-def tiny(seed: int, layers: int = 2, family: str = "qwen2", heads: int = 4, kv_heads: int = 2):
-    torch.manual_seed(seed)
-    config, cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    cfg = config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
-                 num_key_value_heads=kv_heads, intermediate_size=64, max_position_embeddings=1024)
-    return cls(cfg).float().eval()
 
 
 def int8(model, kind=Int8Linear):
@@ -49,12 +41,13 @@ def restricted(model):
     return out
 
 
-MODELS = {"qwen2": lambda: tiny(0), "llama": lambda: tiny(1, family="llama"), "mha": lambda: tiny(2, kv_heads=4),
-          "int8": lambda: int8(tiny(3)), "restricted": lambda: restricted(tiny(4)),
-          "onednn": lambda: int8(tiny(8), PackedLinear),
-          "joined": lambda: joined(tiny(13)), "int8-joined": lambda: int8(joined(tiny(14))),
-          "int8-joined-at-once": lambda: int8(joined(tiny(16), Int8Linear)),
-          "llama-joined": lambda: int8(joined(tiny(15, family="llama")))}
+MODELS = {"qwen2": lambda: tiny_model(0), "llama": lambda: tiny_model(1, family="llama"),
+          "mha": lambda: tiny_model(2, kv_heads=4),
+          "int8": lambda: int8(tiny_model(3)), "restricted": lambda: restricted(tiny_model(4)),
+          "onednn": lambda: int8(tiny_model(8), PackedLinear),
+          "joined": lambda: joined(tiny_model(13)), "int8-joined": lambda: int8(joined(tiny_model(14))),
+          "int8-joined-at-once": lambda: int8(joined(tiny_model(16), Int8Linear)),
+          "llama-joined": lambda: int8(joined(tiny_model(15, family="llama")))}
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -97,7 +90,7 @@ def test_lean_forward_equals_the_stock_forward(name):
             continue
         _, tokens, parents, kw = step
         parents = None if parents is None else torch.tensor(parents, dtype=torch.long)
-        a, b = (m.forward(c, tokens, parents, **kw) for m, c in zip((stock, lean), caches, strict=True))
+        a, b = (forward1(m, c, tokens, parents, **kw) for m, c in zip((stock, lean), caches, strict=True))
         if kw.get("hidden"):
             (a, ha), (b, hb) = a, b
             assert hb.shape == (len(tokens), 32)
@@ -112,16 +105,16 @@ def test_lean_forward_equals_the_stock_forward(name):
 
 
 def test_lean_forward_skips_transformers_forward():
-    module = tiny(5)
+    module = tiny_model(5)
     lean = Model(module, lean=True)
     calls = []
     module.forward = lambda *a, **k: calls.append(1)
-    logits = lean.forward(lean.new_cache(), [1, 2, 3])
+    logits = forward1(lean, lean.new_cache(), [1, 2, 3])
     assert calls == [] and logits.shape == (3, VOCAB) and torch.isfinite(logits).all()
 
 
-def test_forward_batch_of_a_lean_model_gives_each_block_its_logits():
-    module = tiny(6)
+def test_blocks_of_a_lean_model_give_each_block_its_logits():
+    module = tiny_model(6)
     stock, lean = Model(module), Model(module, lean=True)
     prompts, blocks = [[3, 1, 4, 1, 5], [9, 2]], [([6, 7, 8], [-1, 0, 0]), ([2], [-1])]
     out = {}
@@ -129,15 +122,15 @@ def test_forward_batch_of_a_lean_model_gives_each_block_its_logits():
         caches = []
         for p in prompts:
             caches.append(m.new_cache())
-            m.forward(caches[-1], p)
+            forward1(m, caches[-1], p)
             caches[-1].keep(list(range(len(p))))
-        out[m] = m.forward_batch([(c, t, torch.tensor(par)) for c, (t, par) in zip(caches, blocks, strict=True)])
+        out[m] = m.forward([Block(c, t, torch.tensor(par)) for c, (t, par) in zip(caches, blocks, strict=True)])
     for a, b in zip(out[stock], out[lean], strict=True):
         same(a, b)
 
 
 def test_unsupported_models_are_refused():
-    module = tiny(7)
+    module = tiny_model(7)
     module.config.layer_types = ["sliding_attention"] * 2
     assert not supports(module)
     with pytest.raises(SpeculorError, match="lean forward"):
@@ -152,8 +145,8 @@ def plain(target: Model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("drafter", ["chain", "tree"])
 def test_a_lean_draft_gives_the_plain_greedy_tokens(drafter):
-    target = Model(tiny(10))
-    near = perturbed(target.model, 0.05)
+    target = Model(tiny_model(10))
+    near = perturbed(target.model, 0.05, seed=0)
     draft = Model(int8(joined(near) if drafter == "tree" else near), lean=True)
     stats = engine.Stats()
     for prompt in ([1, 2, 3, 4, 5], [42], [7, 7, 7, 7, 9, 11]):
@@ -163,22 +156,11 @@ def test_a_lean_draft_gives_the_plain_greedy_tokens(drafter):
     assert len({s.accepted for s in stats.steps}) >= 2  # partial acceptance: the draft cache was compacted
 
 
-def perturbed(model, noise: float):
-    """A copy with every weight matrix moved by `noise` times its own spread: a draft that is often right."""
-    near = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in near.parameters():
-            if p.numel() > 1:
-                p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
-    return near
-
-
 @pytest.mark.parametrize("kind", [None, Int8Linear, PackedLinear])
 def test_joined_projections_keep_the_models_outputs_and_one_weight_copy(kind):
     """fuse_projections then pack_linears: transformers' own forward gives the same logits through the Parts, each
     joined matrix is packed once (3 + 2 linears a layer become 2), an int8 row keeps its scale."""
-    apart, one, at_once = tiny(9), joined(tiny(9)), joined(tiny(9), kind)
+    apart, one, at_once = tiny_model(9), joined(tiny_model(9)), joined(tiny_model(9), kind)
     if kind is not None:
         assert pack_linears(apart, kind) == 2 * 7 + 1 and pack_linears(one, kind) == 2 * 4 + 1
         assert pack_linears(at_once, kind) == 2 * 2 + 1  # o, down and the head: the joined ones were packed already
@@ -202,13 +184,9 @@ def test_joint_takes_only_parts_of_one_linear_in_order():
 
 def test_load_pair_runs_only_the_draft_lean(tmp_path):
     """Lean is the default for an int8 draft, never for the target, off with lean_draft=False or eager kernels."""
-    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(2, VOCAB)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
     for name, seed in (("target", 11), ("draft", 12)):
-        tiny(seed).save_pretrained(tmp_path / name)
-        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(
-            tmp_path / name)
+        tiny_model(seed).save_pretrained(tmp_path / name)
+        word_tokenizer(WORDS[:VOCAB]).save_pretrained(tmp_path / name)
     pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))  # the default: a lean int8 draft
     assert pair.target.lean is None and isinstance(pair.draft.lean, LeanDecoder)
     assert pair.draft.lean.qkv[0] is not None  # its projections joined

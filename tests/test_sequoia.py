@@ -11,10 +11,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_engine_toy import goodness_of_fit
-from test_tiny_transformers import WORDS, reference_greedy, tiny_qwen2, word_tokenizer
-from test_tiny_transformers import perturbed as qwen_perturbed
-from toy import ToyLM, exact_law, perturbed, plain_greedy, random_toy
+from support.stats import goodness_of_fit
+from support.tiny import near_pair, reference_greedy
+from support.toy import ToyLM, V, exact_law, perturbed, plain_greedy, random_toy
 
 from speculor import Speculor, engine
 from speculor.config import SamplingConfig
@@ -26,7 +25,7 @@ from speculor.core.sequoia_dp import (
     nested_to_shape,
     optimal_trees,
 )
-from speculor.drafters.base import ChainDrafter
+from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.registry import make_strategy
 from speculor.drafters.sequoia import (
     AUTO_NODES,
@@ -44,8 +43,6 @@ from speculor.runtime.cache import KVCache
 from speculor.runtime.cost import CostModel, cost_path, implausible, profile_cost
 from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
-
-V = 6  # toy vocabulary
 
 # ---------------------------------------------------------------- the DP against brute force
 
@@ -358,8 +355,7 @@ def test_sequoia_decoding_follows_the_exact_law(toy_target, cfg, m):
 
 @pytest.fixture(scope="module")
 def tiny_pair() -> Pair:
-    target = tiny_qwen2(0)
-    return Pair(Model(target), Model(qwen_perturbed(target, 0.1, seed=2)), word_tokenizer(WORDS), "tiny-t", "tiny-d")
+    return near_pair("tiny-t", "tiny-d")
 
 
 @pytest.mark.parametrize("options", [dict(budget=8, depth=4, width=3), dict(budget=12, depth=2, width=8),

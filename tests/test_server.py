@@ -1,15 +1,13 @@
 """The OpenAI-compatible server, live on 127.0.0.1, driven by the official `openai` client and httpx.
 
-The model pair is tiny and random (Qwen2 architecture, built here) with a byte-level BPE tokenizer trained
-here on a few strings, so nothing is downloaded. The draft is the target with slightly perturbed output
-weights: most draft tokens are accepted, some are not. The end-of-sequence row of both output layers is
-zeroed so that greedy generations run to max_tokens.
+The model pair is tiny and random (support/server.py: Qwen2 architecture, with a byte-level BPE tokenizer trained on
+a few strings), so nothing is downloaded. The draft is the target with slightly perturbed output weights: most draft
+tokens are accepted, some are not. The end-of-sequence row of both output layers is zeroed so that greedy
+generations run to max_tokens.
 """
 
 from __future__ import annotations
 
-import copy
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,47 +21,12 @@ import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from support.server import CONTEXT, TEXTS, live_server, tiny_pair
 
-from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError
+from speculor import Pair, SamplingConfig, Speculor, SpeculorError
 from speculor.api import Generation
 from speculor.bench import loadtest
 from speculor.serving.app import create_app
-
-CONTEXT = 4096
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
-         "Hello, world! How are you today?", "Speculative decoding drafts tokens and verifies them."]
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on TEXTS, with chat special tokens and a chat template."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def tiny_pair() -> Pair:
-    torch.manual_seed(0)
-    tokenizer = tiny_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-                      eos_token_id=tokenizer.eos_token_id)
-    target = Qwen2ForCausalLM(cfg)
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(0.005 * torch.randn_like(draft.lm_head.weight))
-        for model in (target, draft):
-            model.lm_head.weight[tokenizer.eos_token_id] = 0
-    return Pair(Model(target), Model(draft), tokenizer, "tiny-target", "tiny-draft")
 
 
 @contextmanager
@@ -82,28 +45,6 @@ def hold_target(pair: Pair) -> Iterator[None]:
     finally:
         del pair.target.forward
         gate.set()
-
-
-@contextmanager
-def live_server(app) -> Iterator[str]:
-    """Run `app` with uvicorn on a free port of 127.0.0.1 in a thread; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

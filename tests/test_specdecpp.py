@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_toy import PROMPT, N, V, goodness_of_fit
-from test_tiny_transformers import WORDS, perturbed, reference_greedy, tiny_qwen2, word_tokenizer
-from toy import exact_law, plain_greedy, random_toy
-from toy import perturbed as toy_perturbed
+from support.stats import goodness_of_fit
+from support.tiny import WORDS, near_pair, reference_greedy, tiny_model
+from support.toy import PROMPT, N, V, exact_law, plain_greedy, random_toy
+from support.toy import perturbed as toy_perturbed
 
 from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine
 from speculor.bench.peers import ASSISTANT_SETTINGS, generation_settings, hf_generate
@@ -31,6 +31,7 @@ from speculor.drafters.specdecpp import (
 from speculor.methods import specdecpp_data, specdecpp_train
 from speculor.methods.specdecpp_data import DataConfig, Features, mix, soft_labels
 from speculor.methods.specdecpp_train import TrainConfig, weighted_bce
+from speculor.runtime.backend import forward1
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -199,7 +200,7 @@ def test_drafter_follows_the_rule_on_scripted_head_outputs(temperature):
 
     def propose(seq, c, g):
         head.seen.clear()
-        tree = orig(seq, c, g)
+        tree = yield from orig(seq, c, g)  # a proposal: the engine answers its forward requests
         toks = tree.tokens.tolist()
         lengths.append((len(toks), draft_length([table[t] for t in toks], rule)))
         calls.append((list(head.seen), toks[:-1], drafter.forwards, len(toks)))
@@ -245,8 +246,7 @@ def test_first_tokens_follow_the_exact_law():
 
 @pytest.fixture(scope="module")
 def tiny_pair() -> Pair:
-    target = tiny_qwen2(0)
-    return Pair(Model(target), Model(perturbed(target, 0.1, seed=2)), word_tokenizer(WORDS))
+    return near_pair()
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.5, 0.95])
@@ -304,10 +304,10 @@ def test_model_forward_last_gives_the_last_logits_only(tiny_pair, committed):
     prefix, block = [9, 8, 7, 6], [5, 17, 33, 2, 61]
     for c in (cache, ref):
         if committed:
-            model.forward(c, prefix[:committed])
+            forward1(model, c, prefix[:committed])
             c.keep(list(range(committed)))
-    logits, hidden = model.forward(cache, block, hidden=True, last=True)
-    want_logits, want_hidden = model.forward(ref, block, hidden=True)
+    logits, hidden = forward1(model, cache, block, hidden=True, last=True)
+    want_logits, want_hidden = forward1(model, ref, block, hidden=True)
     assert logits.shape == (1, want_logits.shape[-1])
     assert torch.equal(hidden, want_hidden) and torch.allclose(logits, want_logits[-1:], atol=1e-5)
     cache.keep(list(range(len(block))))
@@ -390,7 +390,7 @@ def test_adaptive_peers_are_greedy_identical_and_restore_the_draft_config(tiny_p
 
 
 def test_generation_settings_restore_on_error():
-    model = tiny_qwen2(0, hidden=16, layers=1)
+    model = tiny_model(0, hidden=16, layers=1, vocab=len(WORDS), context=64)
     gc = model.generation_config
     old = gc.num_assistant_tokens
     with pytest.raises(RuntimeError), generation_settings(model, ASSISTANT_SETTINGS["hf-assisted-heuristic"]):

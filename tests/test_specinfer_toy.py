@@ -1,6 +1,7 @@
-"""Full tree decoding through `engine.stream` with the toy LMs of toy.py: the law of the first N tokens of SpecInfer
-trees (expansion-based, and merged from several drafters with point-mass, i.i.d. and other-temperature children) is
-the target's (chi-square, docs/algorithms.md §10.3), a mislabelled tree is caught, and greedy output is plain greedy."""
+"""Full tree decoding through `engine.stream` with the toy LMs of tests/support/toy.py: the law of the first N tokens
+of SpecInfer trees (expansion-based, and merged from several drafters with point-mass, i.i.d. and other-temperature
+children) is the target's (chi-square, docs/algorithms.md §10.3), a mislabelled tree is caught, and greedy output is
+plain greedy."""
 
 from __future__ import annotations
 
@@ -8,19 +9,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_engine_toy import goodness_of_fit
-from toy import ToyLM, exact_law, plain_greedy
+from support.stats import counts, goodness_of_fit
+from support.toy import T1, N, ToyLM, exact_law, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
-from speculor.core.tree import DraftTree, expansion_shape
-from speculor.drafters.base import MergedDrafter, NgramDrafter, TreeDrafter
+from speculor.core.tree import expansion_shape
+from speculor.drafters.base import drive
+from speculor.drafters.merged import MergedDrafter
+from speculor.drafters.ngram import NgramDrafter
+from speculor.drafters.static_tree import TreeDrafter
 from speculor.runtime.model import Model
-
-V = 6
-N = 3  # tokens whose joint law is tested (V**N = 216 cells)
-T1 = SamplingConfig(temperature=1.0)
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,8 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class SworLabelledIid(TreeDrafter):
     """Negative control: children drawn without replacement but declared i.i.d. (verified with d_j = q: biased)."""
 
-    def propose(self, seq, cfg, generator) -> DraftTree:
-        return replace(super().propose(seq, cfg, generator), draw="iid")
+    def propose(self, seq, cfg, generator):
+        return replace((yield from super().propose(seq, cfg, generator)), draw="iid")
 
 
 def drafters(draft: ToyLM) -> dict[str, object]:
@@ -42,16 +41,6 @@ def drafters(draft: ToyLM) -> dict[str, object]:
                                          NgramDrafter(2)]),
         "swor_as_iid": lambda: SworLabelledIid(model, expansion_shape([3, 1]), "swor"),
     }
-
-
-def counts(target: ToyLM, drafter, prompt: list[int], m: int, seed0: int) -> torch.Tensor:
-    """Counts [V]*N of the first N tokens over m seeded generations (one target model and drafter reused)."""
-    t_model = Model(target)
-    out = torch.zeros([V] * N, dtype=torch.float64)
-    for i in range(m):
-        run = replace(T1, max_new_tokens=N, seed=seed0 + i)
-        out[tuple(t.id for t in engine.stream(t_model, drafter, prompt, run))] += 1
-    return out
 
 
 @pytest.mark.parametrize(("name", "prompt"), [("expansion", [1, 2]), ("merged", [2, 1, 2])])
@@ -71,7 +60,7 @@ def test_merged_trees_mix_kinds(target, draft):
     for seed in range(10):
         g = torch.Generator().manual_seed(seed)
         drafter.reset()
-        tree = drafter.propose([2, 1, 2], T1, g)
+        tree = drive(drafter.propose([2, 1, 2], T1, g))
         seen |= set(tree.kinds or (tree.draw,))
         assert drafter.forwards == 2 + 2  # two model drafters of depth 2, prompt lookup free
     assert seen == {"iid", "point"}

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from support.tiny import WORDS, perturbed, reference_greedy, reference_logits, tiny_model, word_tokenizer
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine, load_pair
 from speculor.core.tree import block_parents, path_to
-from speculor.drafters.base import ChainDrafter
+from speculor.drafters.chain import ChainDrafter
+from speculor.runtime.backend import forward1
 from speculor.runtime.loading import check_same_vocab, load_model
 
-VOCAB = 100
+VOCAB = len(WORDS)  # 100
 CONTEXT = 64
 PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 7, 7, 7], [99, 0, 13, 56, 21, 8, 3, 71, 30]]
 
@@ -24,43 +25,16 @@ PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 7, 7, 7], [99, 0, 13, 56, 21, 8, 3, 71, 30
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_qwen2(seed: int, hidden: int = 32, layers: int = 2, context: int = CONTEXT) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=context)
-    return Qwen2ForCausalLM(cfg).float().eval()
-
-
-def perturbed(model: Qwen2ForCausalLM, noise: float, seed: int) -> Qwen2ForCausalLM:
-    """A copy with every weight matrix moved by `noise` times its own spread: a draft that is often right."""
-    near = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in near.parameters():
-            if p.numel() > 1:
-                p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
-    return near
-
-
-def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer built offline: token i is words[i]."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-
-
-WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(2, VOCAB)]
-
-
 @pytest.fixture(scope="module")
 def target() -> Qwen2ForCausalLM:
-    return tiny_qwen2(0)
+    return tiny_model(0, vocab=VOCAB, context=CONTEXT)
 
 
 @pytest.fixture(scope="module")
 def drafts(target) -> dict[str, Qwen2ForCausalLM]:
     return {
-        "random": tiny_qwen2(1, hidden=16, layers=1),  # an unrelated second model: almost nothing accepted
+        # an unrelated second model: almost nothing accepted
+        "random": tiny_model(1, hidden=16, layers=1, vocab=VOCAB, context=CONTEXT),
         "near": perturbed(target, 0.1, seed=2),  # accepts runs of 0..K tokens
     }
 
@@ -68,19 +42,6 @@ def drafts(target) -> dict[str, Qwen2ForCausalLM]:
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     return word_tokenizer(WORDS)
-
-
-def reference_logits(model, tokens: list[int]) -> torch.Tensor:
-    """Logits of the last position from a plain full forward (no cache, no mask, no speculor)."""
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(torch.argmax(reference_logits(model, seq))))
-    return seq[len(prompt):]
 
 
 # ---------------------------------------------------------------- (a) tree mask, positions and cache
@@ -101,9 +62,9 @@ def test_tree_logits_equal_path_logits(target, prompt):
     model = Model(target)
     cache = model.new_cache()
     if len(prompt) > 1:
-        model.forward(cache, prompt[:-1])
+        forward1(model, cache, prompt[:-1])
         cache.keep(list(range(len(prompt) - 1)))
-    logits = model.forward(cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
+    logits = forward1(model, cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
     assert logits.shape == (len(TOKENS) + 1, VOCAB) and logits.dtype == torch.float32
     assert (logits[0] - reference_logits(target, prompt)).abs().max() < 1e-4
     for i in range(len(TOKENS)):
@@ -117,15 +78,15 @@ def test_commit_of_a_non_prefix_path(target, node):
     prompt = [5, 7, 9, 11, 13, 2]
     model = Model(target)
     cache = model.new_cache()
-    model.forward(cache, prompt[:-1])
+    forward1(model, cache, prompt[:-1])
     cache.keep(list(range(len(prompt) - 1)))
-    model.forward(cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
+    forward1(model, cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
     path = path_to(PARENTS, node)
     cache.keep([0] + [j + 1 for j in path])
     committed = prompt + [int(TOKENS[j]) for j in path]
     assert cache.length == len(committed) and cache.get_seq_length() == len(committed)
     nxt = [40, 41, 42]
-    logits = model.forward(cache, nxt)
+    logits = forward1(model, cache, nxt)
     for i in range(len(nxt)):
         ref = reference_logits(target, committed + nxt[: i + 1])
         assert (logits[i] - ref).abs().max() < 1e-4
@@ -134,15 +95,15 @@ def test_commit_of_a_non_prefix_path(target, node):
 def test_forward_drops_uncommitted_entries_and_returns_hidden(target):
     model = Model(target)
     cache = model.new_cache()
-    model.forward(cache, [3, 4, 5])
+    forward1(model, cache, [3, 4, 5])
     cache.keep([0, 1, 2])
-    model.forward(cache, [6, 7, 8, 9])  # never committed: the next forward must not see it
-    logits, hidden = model.forward(cache, [10], hidden=True)
+    forward1(model, cache, [6, 7, 8, 9])  # never committed: the next forward must not see it
+    logits, hidden = forward1(model, cache, [10], hidden=True)
     assert hidden.shape == (1, target.config.hidden_size)
     assert (logits[0] - reference_logits(target, [3, 4, 5, 10])).abs().max() < 1e-4
     cache.trim(2)
     assert cache.length == 2
-    assert (model.forward(cache, [9])[0] - reference_logits(target, [3, 4, 9])).abs().max() < 1e-4
+    assert (forward1(model, cache, [9])[0] - reference_logits(target, [3, 4, 9])).abs().max() < 1e-4
 
 
 # ---------------------------------------------------------------- (b) speculative greedy == plain greedy

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dyspec import CRAFTED, T1, counts, first_order
-from test_engine_toy import goodness_of_fit
-from toy import exact_law, plain_greedy
+from support.stats import counts, goodness_of_fit
+from support.toy import CRAFTED, T1, exact_law, first_order, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
+from speculor.drafters.base import drive
 from speculor.drafters.topk_tree import Pool, TopkOptions, TopkTreeDrafter, rank, select
 from speculor.errors import SpeculorError
 from speculor.runtime.model import Model
@@ -31,7 +31,7 @@ def test_tree_on_a_crafted_draft():
     """By hand (root token 0, k = 2, depth 3, budget 5): depth 1 {1: .55, 2: .35}; fed both -> under 1 {0: .2475,
     2: .22}, under 2 {3: .14, 2: .105}; fed the best two, 1-0 and 1-2 -> values <= .136; top 5 of the pool."""
     drafter = TopkTreeDrafter(Model(CRAFTED), TopkOptions(budget=5, depth=3, k=2))
-    tree = drafter.propose([3, 0], SamplingConfig(), None)
+    tree = drive(drafter.propose([3, 0], SamplingConfig(), None))
     assert tree.tokens.tolist() == [1, 2, 0, 2, 3] and tree.parents.tolist() == [-1, -1, 0, 0, 1]
     assert torch.tensor(drafter.values).exp().tolist() == pytest.approx([0.55, 0.35, 0.2475, 0.22, 0.14], abs=1e-6)
     assert tree.draw == "point" and tree.q is None
@@ -42,14 +42,14 @@ def test_certain_draft_keeps_the_tree_connected():
     """A draft that is certain after every token (confidence exactly 1, log value ties) stays a connected tree."""
     certain = first_order([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
     drafter = TopkTreeDrafter(Model(certain), TopkOptions(budget=4, depth=6, k=3))
-    tree = drafter.propose([2, 3], SamplingConfig(), None)
+    tree = drive(drafter.propose([2, 3], SamplingConfig(), None))
     assert tree.tokens.tolist() == [0, 1, 2, 3] and tree.parents.tolist() == [-1, 0, 1, 2]
     assert drafter.values == [0.0] * 4
 
 
 def test_unfed_when_no_child_can_be_selected(draft):
     drafter = TopkTreeDrafter(Model(draft), TopkOptions(budget=2, depth=6, k=3))
-    tree = drafter.propose([1, 2], SamplingConfig(), None)
+    tree = drive(drafter.propose([1, 2], SamplingConfig(), None))
     assert len(tree) == 2 and drafter.forwards <= 2
 
 

@@ -4,80 +4,43 @@ after commits), greedy output of `specinfer` / merged / `ngram` equal to plain g
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from tokenizers import Tokenizer, models
-from toy import Watched
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from support.tiny import PROMPTS, reference_greedy, reference_logits
+from support.tiny import draft as draft  # noqa: F401  (fixtures)
+from support.tiny import pair as pair  # noqa: F401
+from support.tiny import target as target  # noqa: F401
+from support.toy import Watched
 
 from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine
 from speculor.core.tree import expansion_shape, path_to
-from speculor.drafters.base import MergedDrafter, NgramDrafter, TreeDrafter
+from speculor.drafters.base import drive
+from speculor.drafters.merged import MergedDrafter
+from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.specinfer import make_specinfer
-
-VOCAB = 64
-PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 8, 7, 8, 7, 8, 7], [9, 0, 13, 56, 21, 8, 3, 13, 56]]
-
+from speculor.drafters.static_tree import TreeDrafter
+from speculor.runtime.backend import forward1
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_qwen2(seed: int, hidden: int = 32, layers: int = 2) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=128)
-    return Qwen2ForCausalLM(cfg).float().eval()
-
-
-@pytest.fixture(scope="module")
-def target() -> Qwen2ForCausalLM:
-    return tiny_qwen2(0)
-
-
-@pytest.fixture(scope="module")
-def draft(target) -> Qwen2ForCausalLM:
-    """A copy of the target with every weight matrix moved by 0.15 of its spread: often right, not always."""
-    near = copy.deepcopy(target)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in near.parameters():
-            if p.numel() > 1:
-                p.add_(0.15 * p.std() * torch.randn(p.shape, generator=g))
-    return near
-
-
-def reference_logits(model, tokens: list[int]) -> torch.Tensor:
-    """Logits of the last position from a plain full forward (no cache, no mask, no speculor)."""
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(torch.argmax(reference_logits(model, seq))))
-    return seq[len(prompt):]
 
 
 # ---------------------------------------------------------------- Model: a tree grown one depth per forward
 
 
-def test_appended_depths_equal_path_forwards(target):
+def test_appended_depths_equal_path_forwards(target):  # noqa: F811
     """Depth by depth into the pending region; every row equals a plain forward over its root path, also after a
     commit of a non-prefix path and a second round on the compacted cache."""
     model = Model(target)
     cache = model.new_cache()
     seq = [5, 7, 9, 11, 13, 2]
-    model.forward(cache, seq)
+    forward1(model, cache, seq)
     cache.keep(list(range(len(seq))))
     for _ in range(2):
         # depth 1: region rows 0, 1, 2 (two of them the same token); depth 2: rows 3..5; depth 3: row 6
         blocks = [([20, 21, 20], [-1, -1, -1]), ([30, 31, 32], [0, 0, 2]), ([40], [5])]
         region_tokens, region_parents = [], []
         for tokens, parents in blocks:
-            logits = model.forward(cache, tokens, torch.tensor(parents), append=True)
+            logits = forward1(model, cache, tokens, torch.tensor(parents), append=True)
             region_tokens += tokens
             region_parents += parents
             base = len(region_tokens) - len(tokens)
@@ -89,18 +52,18 @@ def test_appended_depths_equal_path_forwards(target):
         cache.keep([2, 5, 6])  # keep the path 20 -> 32 -> 40 (rows 2, 5, 6)
         seq = seq + [20, 32, 40]
         assert cache.length == len(seq) == cache.get_seq_length() and len(cache.pending) == 0
-    assert (model.forward(cache, [3])[0] - reference_logits(target, seq + [3])).abs().max() < 1e-4
+    assert (forward1(model, cache, [3])[0] - reference_logits(target, seq + [3])).abs().max() < 1e-4
 
 
-def test_plain_forward_drops_the_pending_region(target):
+def test_plain_forward_drops_the_pending_region(target):  # noqa: F811
     model = Model(target)
     cache = model.new_cache()
-    model.forward(cache, [3, 4, 5])
+    forward1(model, cache, [3, 4, 5])
     cache.keep([0, 1, 2])
-    model.forward(cache, [6, 7], append=True)
-    model.forward(cache, [8], append=True)  # parents=None with append: continues the last pending entry
+    forward1(model, cache, [6, 7], append=True)
+    forward1(model, cache, [8], append=True)  # parents=None with append: continues the last pending entry
     assert len(cache.pending) == 3 and cache.pending.tolist() == [-1, 0, 1]
-    logits = model.forward(cache, [9])  # append=False: a fresh block after the committed cache
+    logits = forward1(model, cache, [9])  # append=False: a fresh block after the committed cache
     assert len(cache.pending) == 1 and (logits[0] - reference_logits(target, [3, 4, 5, 9])).abs().max() < 1e-4
     cache.trim(2)
     assert cache.length == 2 and len(cache.pending) == 0
@@ -113,7 +76,7 @@ class Checked(Watched):
     """Checks every proposal of a TreeDrafter: its q rows against plain forwards of the draft over each parent's
     root path (T = 1, so log q = log_softmax(logits)), and one draft forward per depth."""
 
-    def __init__(self, inner: TreeDrafter, draft) -> None:
+    def __init__(self, inner: TreeDrafter, draft) -> None:  # noqa: F811
         super().__init__(inner)
         self.draft = draft
 
@@ -128,7 +91,7 @@ class Checked(Watched):
 
 
 @pytest.mark.parametrize("draw", ["iid", "swor"])
-def test_tree_drafter_logits_equal_path_forwards(target, draft, draw):
+def test_tree_drafter_logits_equal_path_forwards(target, draft, draw):  # noqa: F811
     shape = expansion_shape([2, 2, 1])
     drafter = Checked(TreeDrafter(Model(draft), shape, draw), draft)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=1)
@@ -138,23 +101,23 @@ def test_tree_drafter_logits_equal_path_forwards(target, draft, draw):
     assert any(s.accepted >= 2 for s in stats.steps)  # commits of accepted paths happened between proposals
 
 
-def test_tree_drafter_siblings(draft):
+def test_tree_drafter_siblings(draft):  # noqa: F811
     model = Model(draft)
     g = torch.Generator().manual_seed(0)
-    greedy = TreeDrafter(model, [-1, -1, -1, 0, 0]).propose([1, 2, 3], SamplingConfig(), g)
+    greedy = drive(TreeDrafter(model, [-1, -1, -1, 0, 0]).propose([1, 2, 3], SamplingConfig(), g))
     top = torch.topk(reference_logits(draft, [1, 2, 3]), 3).indices.tolist()
     assert greedy.tokens[:3].tolist() == top and greedy.draw == "point" and greedy.q is None
     assert len(set(greedy.tokens[3:].tolist())) == 2
     # SWOR: distinct siblings; with top_k = 2 the support has 2 tokens, so the third root child and its
     # subtree are left out
     cfg = SamplingConfig(temperature=1.0, top_k=2)
-    swor = TreeDrafter(model, [-1, -1, -1, 2, 0, 1, 1], "swor").propose([1, 2, 3], cfg, g)
+    swor = drive(TreeDrafter(model, [-1, -1, -1, 2, 0, 1, 1], "swor").propose([1, 2, 3], cfg, g))
     assert swor.parents.tolist() == [-1, -1, 0, 1, 1] and swor.draw == "swor"
     assert len(set(swor.tokens[:2].tolist())) == 2 and set(swor.tokens[:2].tolist()) == set(top[:2])
     assert swor.tokens[3] != swor.tokens[4]
 
 
-def test_tree_drafter_refuses_bad_arguments(draft):
+def test_tree_drafter_refuses_bad_arguments(draft):  # noqa: F811
     for kwargs in ({"draw": "point"}, {"temperature": 0}, {"temperature": "hot"}):
         with pytest.raises(SpeculorError):
             TreeDrafter(Model(draft), [-1, 0], **kwargs)
@@ -178,7 +141,7 @@ def strategies(draft_model: Model) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("name", ["paper", "wide", "merged", "ngram"])
-def test_greedy_equals_plain_greedy(target, draft, name):
+def test_greedy_equals_plain_greedy(target, draft, name):  # noqa: F811
     t_model = Model(target)
     drafter = strategies(Model(draft))[name]
     cfg = SamplingConfig(max_new_tokens=20)
@@ -189,7 +152,7 @@ def test_greedy_equals_plain_greedy(target, draft, name):
         assert stats.tau >= 1
 
 
-def test_self_draft_tree_accepts_a_full_path(target):
+def test_self_draft_tree_accepts_a_full_path(target):  # noqa: F811
     stats = engine.Stats()
     model = Model(target)
     drafter = TreeDrafter(model, expansion_shape([2, 1, 1]))  # the same model (own cache): every path is greedy
@@ -201,23 +164,16 @@ def test_self_draft_tree_accepts_a_full_path(target):
 # ---------------------------------------------------------------- strategies and their options
 
 
-@pytest.fixture(scope="module")
-def pair(target, draft) -> Pair:
-    words = {f"w{i}": i for i in range(VOCAB)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")))
-    return Pair(Model(target), Model(draft), tokenizer, "tiny-target", "tiny-draft")
-
-
 @pytest.mark.parametrize("options", [{}, {"expansion": "2-1-1"}, {"expansion": (2, 2)}, {"expansion": 3},
                                      {"drafters": "draft+draft@1.5+ngram"}, {"drafters": "ngram,draft"},
                                      {"drafters": ["draft", NgramDrafter(2)], "expansion": "1,2"}])
-def test_specinfer_strategy_greedy(pair, target, options):
+def test_specinfer_strategy_greedy(pair, target, options):  # noqa: F811
     sp = Speculor(pair, strategy="specinfer", **options)
     out = sp.generate(PROMPTS[3], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, PROMPTS[3], 12)
 
 
-def test_specinfer_builds_what_it_says(pair):
+def test_specinfer_builds_what_it_says(pair):  # noqa: F811
     paper = make_specinfer(pair).drafter()
     assert isinstance(paper, TreeDrafter) and paper.shape == expansion_shape([1, 1, 3, 1, 1, 1, 1, 1])
     merged = make_specinfer(pair, expansion="2-1", drafters="draft+draft@0.5+ngram").drafter()
@@ -227,7 +183,7 @@ def test_specinfer_builds_what_it_says(pair):
     assert (a.temperature, b.temperature) == (None, 0.5) and isinstance(c, NgramDrafter) and c.k == 2
 
 
-def test_ngram_strategy(pair, target):
+def test_ngram_strategy(pair, target):  # noqa: F811
     sp = Speculor(pair, strategy="ngram", k=3, n=2, branches=2)
     stats = engine.Stats()
     ids = list(sp.tokens(PROMPTS[2], SamplingConfig(max_new_tokens=12, stop_on_eos=False), stats=stats))
@@ -244,12 +200,12 @@ def test_ngram_strategy(pair, target):
     ("specinfer", {"depth": 3}), ("ngram", {"k": 0}), ("ngram", {"n": 0}), ("ngram", {"branches": "x"}),
     ("ngram", {"k": 65}), ("ngram", {"budget": 3}),
 ])
-def test_bad_options(pair, name, options):
+def test_bad_options(pair, name, options):  # noqa: F811
     with pytest.raises(SpeculorError):
         Speculor(pair, strategy=name, **options)
 
 
-def test_specinfer_needs_a_draft_model(pair):
+def test_specinfer_needs_a_draft_model(pair):  # noqa: F811
     no_draft = Pair(pair.target, None, pair.tokenizer)
     with pytest.raises(SpeculorError, match="needs a draft"):
         Speculor(no_draft, strategy="specinfer")

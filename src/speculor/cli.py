@@ -74,7 +74,7 @@ def _add_strategy_args(p: argparse.ArgumentParser, default: str | None = "chain"
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `speculor bench` (`speculor.bench.run.run` reads them). The defaults shown are those of
-    bench.run's DEFAULTS and QUICK tables (options left None here take them in `fill_defaults`)."""
+    bench/config.py's DEFAULTS and QUICK tables (options left None here take them in `BenchConfig.from_args`)."""
     p.add_argument("--strategies", default=None, help="comma-separated; options after colons, e.g. "
                    "plain,chain:k=2,chain:k=6,hf-assisted (default plain,chain:k=4,dyspec:budget=auto)")
     p.add_argument("--sets", default="mtbench,humaneval", help="mtbench, humaneval, sharegpt")

@@ -207,17 +207,18 @@ def cmd_loadtest(args: Args) -> None:
 
 
 def cmd_bench(args: Args) -> None:
+    from speculor.bench.config import BenchConfig
     from speculor.bench.peers import PEERS
-    from speculor.bench.run import fill_defaults, parse_strategies, run
+    from speculor.bench.run import run
 
-    fill_defaults(args)
-    for spec in parse_strategies(args.strategies):  # refused before the pair is loaded
+    cfg = BenchConfig.from_args(args)
+    for spec in cfg.strategies:  # refused before the pair is loaded
         if spec.name in PEERS:
             if spec.options:
                 raise SpeculorError(f"{spec.label!r}: the transformers peer {spec.name!r} takes no options")
         else:
             check_options(spec.name, spec.options)
-    run(args, load_pair_from_args)
+    run(cfg, lambda: load_pair_from_args(args))
 
 
 def cmd_calibrate(args: Args) -> None:

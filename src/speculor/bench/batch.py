@@ -22,8 +22,9 @@ from typing import Any
 from tqdm import tqdm
 
 from speculor.api import Speculor
+from speculor.bench.config import BenchConfig
 from speculor.bench.prompts import Prompt
-from speculor.bench.run import Spec
+from speculor.bench.specs import Spec
 from speculor.bench.summary import by_round, cell, spread, with_spread
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
@@ -124,11 +125,11 @@ def format_batched(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def sampling(args: Any):
+def sampling(cfg: BenchConfig):
     """cfg_of(i) for prompt i at the run's first temperature (the batch mode measures one temperature)."""
-    temp = float(str(args.temperatures).split(",")[0])
+    temp = cfg.temperatures[0]
 
     def cfg_of(i: int) -> SamplingConfig:
-        return SamplingConfig(temperature=temp, top_p=args.top_p if temp > 0 else 1.0, seed=args.seed + i,
-                              max_new_tokens=args.max_new_tokens)
+        return SamplingConfig(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0, seed=cfg.seed + i,
+                              max_new_tokens=cfg.max_new_tokens)
     return cfg_of, temp == 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,70 +25,18 @@ from tqdm import tqdm
 from speculor.api import Speculor
 from speculor.bench import machine
 from speculor.bench import prompts as prompt_sets
+from speculor.bench.batch import format_batched, run_batched, sampling, summarize_batched
 from speculor.bench.checks import check, start_warnings
+from speculor.bench.config import QUICK_NOTE, BenchConfig
 from speculor.bench.peers import PEERS, hf_generate
+from speculor.bench.specs import Spec
 from speculor.bench.summary import cell, format_table, sum_stats, summarize
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
-from speculor.errors import SpeculorError
 from speculor.runtime.loading import Pair
 from speculor.runtime.memory import peak_memory_gib, reset_peak_memory
 
 __all__ = ["cell", "format_table", "peak_memory_gib", "reset_peak_memory", "run", "sum_stats", "summarize"]
-
-# every strategy; Sequoia and DySpec size their trees from this machine's cost profile (their hardware-aware mode)
-ALL = "plain,chain:k=4,specinfer,sequoia:budget=auto,ngram,dyspec:budget=auto,topk-tree,gsd,specdecpp"
-# the realistic default: >= 8 prompts of the sets' categories, 128 new tokens, 3 rounds
-DEFAULTS = {"strategies": "plain,chain:k=4,dyspec:budget=auto", "limit": 8, "max_new_tokens": 128,
-            "temperatures": "0", "rounds": 3}
-# --quick: one MT-Bench and one HumanEval prompt, one round, so that every strategy and both peers fit in ~10 minutes
-QUICK = {"strategies": ALL + ",hf-assisted,hf-prompt-lookup", "limit": 2, "max_new_tokens": 32, "temperatures": "0",
-         "rounds": 1}
-QUICK_NOTE = ("--quick decodes 2 prompts x 32 tokens in one round: prefill weighs 20-25% there and one noisy moment "
-              "moves a ratio by 10% or more; its ratios are indicative only (realistic runs: --limit 8 "
-              "--max-new-tokens 128 --rounds 3)")
-
-
-def fill_defaults(args: Any) -> None:
-    """Options not given on the command line (None) take the --quick values (with --quick) or the defaults;
-    args: the parsed options of `speculor bench` (the CLI's `add_bench_arguments`), or any object with them."""
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-
-
-@dataclass(frozen=True)
-class Spec:
-    label: str
-    name: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-def parse_strategies(text: str) -> list[Spec]:
-    """'plain,chain:k=2' -> [Spec('plain','plain',{}), Spec('chain:k=2','chain',{'k': 2})]; plain comes first."""
-    specs = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, *opts = item.split(":")
-        options = {}
-        for o in opts:
-            key, sep, value = o.partition("=")
-            if not sep:
-                raise SpeculorError(f"bad strategy option {o!r} in {item!r}; write key=value")
-            options[key.replace("-", "_")] = _number(value)
-        specs.append(Spec(item, name, options))
-    specs = [s for s in specs if s.name == "plain"][:1] + [s for s in specs if s.name != "plain"]
-    if not specs or specs[0].name != "plain":
-        specs.insert(0, Spec("plain", "plain"))
-    return specs
-
-
-def _number(value: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> dict[str, Any]:
@@ -124,73 +72,71 @@ def top2_gap(pair: Pair, prompt: list[int], plain: list[int], pos: int) -> float
     return float(top[0] - top[1])
 
 
-def run(args: Any, load_pair) -> dict[str, Any]:
-    fill_defaults(args)
-    specs = parse_strategies(args.strategies)
-    temps = [float(t) for t in args.temperatures.split(",")]
-    if args.rounds < 1:
-        raise SpeculorError(f"--rounds takes a count >= 1, got {args.rounds}")
+def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
+    """The run of `cfg` on the pair `load_pair()` gives: prints the table and its warnings, writes cfg.out; the
+    summary."""
+    specs, temps = list(cfg.strategies), list(cfg.temperatures)
     load = machine.load_at_start()  # before loading: the load average is then other processes' alone
-    prompts = prompt_sets.load(args.sets.split(","), args.limit)
-    sp = Speculor(load_pair(args), strategy="plain")
+    prompts = prompt_sets.load(list(cfg.sets), cfg.limit)
+    sp = Speculor(load_pair(), strategy="plain")
     for s in specs:  # fail early on unknown strategies or options
         if s.name not in PEERS:
             sp.tokens([1], SamplingConfig(max_new_tokens=1), strategy=s.name, **s.options)
     encoded = [sp.encode(p.text, chat=p.chat) for p in prompts]
     _warm_up(sp, specs, encoded[0][:WARM_UP_TOKENS])
-    if getattr(args, "batch", None):
-        return _run_batched(args, sp, [s for s in specs if s.name not in PEERS], prompts, encoded)
+    if cfg.batch:
+        return _run_batched(cfg, sp, [s for s in specs if s.name not in PEERS], prompts, encoded)
     setup_peak = peak_memory_gib(sp.pair.target.device)  # loading, packing, profiling, warm-up: before any reset
-    records = _run_rounds(sp, specs, prompts, encoded, temps, args)
+    records = _run_rounds(sp, cfg, prompts, encoded)
     for temp in temps:
         if temp == 0:
             _check_identity(sp.pair, [r for r in records if r["temperature"] == 0], encoded, prompts)
     summary = summarize(records, [s.label for s in specs], temps)
     warnings = start_warnings(load) + check(summary, records, temps, _cost(sp))
     print(format_table(summary))
-    notes = [QUICK_NOTE] if args.quick else []
+    notes = [QUICK_NOTE] if cfg.quick else []
     if setup_peak is not None:
         notes.append(f"peak memory before the first generation (loading, packing, profiling, warm-up): "
                      f"{setup_peak:.1f} GiB; per generation: the table's peak column")
     for line in notes + [f"warning: {w}" for w in warnings]:
         print(line)
-    if args.out:
-        _write(Path(args.out), records, summary, args, extra={"_warnings": warnings, "_notes": notes,
+    if cfg.out:
+        _write(Path(cfg.out), records, summary, cfg, extra={"_warnings": warnings, "_notes": notes,
                                                               "_machine": load, "_setup_peak_gib": setup_peak})
-        if getattr(args, "format", None) == "spec-bench":
+        if cfg.format == "spec-bench":
             from speculor.bench import specbench
 
             def decode(ids: list[int]) -> str:  # Spec-Bench strips special tokens from its answers
                 return sp.pair.tokenizer.decode(ids, skip_special_tokens=True)
 
-            paths = specbench.write(Path(args.out), records, decode, time.time())
-            print(f"wrote {len(paths)} Spec-Bench answer files under {args.out}/spec-bench")
+            paths = specbench.write(Path(cfg.out), records, decode, time.time())
+            print(f"wrote {len(paths)} Spec-Bench answer files under {cfg.out}/spec-bench")
     return summary
 
 
-def _run_rounds(sp: Speculor, specs: list[Spec], prompts: list, encoded: list[list[int]], temps: list[float],
-                args: Any) -> list[dict[str, Any]]:
+def _run_rounds(sp: Speculor, cfg: BenchConfig, prompts: list, encoded: list[list[int]]) -> list[dict[str, Any]]:
     """Every (temperature, prompt, strategy) once per round; the strategies' order shuffled per prompt and round.
     With --out, each record is also appended to records.partial.jsonl as it comes: a run stopped early keeps them."""
     device = sp.pair.target.device
     records = []
-    partial = Path(args.out) / "records.partial.jsonl" if getattr(args, "out", None) else None
+    specs, temps = list(cfg.strategies), list(cfg.temperatures)
+    partial = Path(cfg.out) / "records.partial.jsonl" if cfg.out else None
     if partial:
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text("")
-    bar = tqdm(total=args.rounds * len(temps) * len(prompts) * len(specs), desc="bench", unit="gen")
-    for rnd in range(args.rounds):
-        rng = random.Random(args.seed + rnd)
+    bar = tqdm(total=cfg.rounds * len(temps) * len(prompts) * len(specs), desc="bench", unit="gen")
+    for rnd in range(cfg.rounds):
+        rng = random.Random(cfg.seed + rnd)
         for temp in temps:
             for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
-                cfg = SamplingConfig(temperature=temp, top_p=args.top_p if temp > 0 else 1.0,
-                                     seed=args.seed + i, max_new_tokens=args.max_new_tokens)
+                sampling = SamplingConfig(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0,
+                                          seed=cfg.seed + i, max_new_tokens=cfg.max_new_tokens)
                 order = list(specs)
                 rng.shuffle(order)
                 for pos, spec in enumerate(order):
                     reset_peak_memory(device)
                     before = machine.snapshot()
-                    rec = run_one(sp, spec, ids, cfg)
+                    rec = run_one(sp, spec, ids, sampling)
                     rec["others_cores"] = machine.others_cores(before, machine.snapshot())
                     rec |= {"strategy": spec.label, "temperature": temp, "prompt_id": prompt.id, "set": prompt.set,
                             "category": prompt.category, "new_tokens": len(rec["token_ids"]), "round": rnd,
@@ -213,22 +159,17 @@ def _cost(sp: Speculor):
     return machine_cost(sp.pair)
 
 
-def _run_batched(args: Any, sp: Speculor, specs: list[Spec], prompts: list, encoded: list[list[int]]) -> dict:
+def _run_batched(cfg: BenchConfig, sp: Speculor, specs: list[Spec], prompts: list, encoded: list[list[int]]) -> dict:
     """--batch: every strategy at every batch size (bench/batch.py); transformers' peers do not batch."""
-    from speculor.bench.batch import format_batched, run_batched, sampling, summarize_batched
-
-    sizes = sorted({int(b) for b in str(args.batch).split(",")})
-    if any(b < 1 for b in sizes):
-        raise SpeculorError(f"--batch takes batch sizes >= 1, got {args.batch!r}")
-    cfg_of, greedy = sampling(args)
-    records = run_batched(sp, specs, prompts, encoded, sorted(set(sizes) | {1}), cfg_of, args.rounds)
+    cfg_of, greedy = sampling(cfg)
+    records = run_batched(sp, specs, prompts, encoded, sorted(set(cfg.batch) | {1}), cfg_of, cfg.rounds)
     summary = summarize_batched(records, greedy)
     summary["_peak_memory_gib"] = peak_memory_gib(sp.pair.target.device)  # the whole run's, loading included
     print(format_batched(summary))
     if summary["_peak_memory_gib"] is not None:
         print(f"peak memory of the run (loading included): {summary['_peak_memory_gib']:.1f} GiB")
-    if args.out:
-        _write(Path(args.out), records, summary, args, format_batched, plots=False)
+    if cfg.out:
+        _write(Path(cfg.out), records, summary, cfg, format_batched, plots=False)
     return summary
 
 
@@ -257,7 +198,7 @@ def _check_identity(pair: Pair, records: list[dict[str, Any]], encoded: list[lis
             rec["divergence"] = {"position": pos, "top2_gap": gap}
 
 
-def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], args: Any, table=None,
+def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], cfg: BenchConfig, table=None,
            plots: bool = True, extra: dict[str, Any] | None = None) -> None:
     """records.jsonl, summary.json (with the run's options and `extra`), table.md and (unless told not to) the
     plots."""
@@ -266,8 +207,7 @@ def _write(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], ar
         for r in records:
             f.write(json.dumps(r) + "\n")
     (out / "records.partial.jsonl").unlink(missing_ok=True)  # the whole run is in records.jsonl now
-    meta = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-    (out / "summary.json").write_text(json.dumps({**summary, **(extra or {}), "_run": meta}, indent=2))
+    (out / "summary.json").write_text(json.dumps({**summary, **(extra or {}), "_run": cfg.meta()}, indent=2))
     (out / "table.md").write_text((table or format_table)(summary) + "\n")
     if not plots:
         print(f"wrote {out}/records.jsonl, summary.json, table.md")

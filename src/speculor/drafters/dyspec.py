@@ -30,88 +30,30 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field, replace
+from collections.abc import Generator
+from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
-from speculor.core.sampling import check_finite, sample, warp
-from speculor.core.tree import EMPTY, DraftTree
+from speculor.core.tree import EMPTY
 from speculor.core.verify import Verdict
-from speculor.drafters.base import BatchLedger, Shared, behind, catch_up, feed, keep_fed_path
+from speculor.drafters.base import BatchAware, BatchLedger, Proposal, Shared, behind, catch_up, feed, keep_fed_path
+from speculor.drafters.values import Growth, Slot, expected_gain, steer, value_distribution, worth
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Backend
 from speculor.runtime.cost import CostModel, machine_cost
 from speculor.runtime.loading import Pair
-from speculor.runtime.model import Model
 
 Variant = Literal["heap", "threshold"]
 AUTO_CAP = 64  # most draft tokens per step with budget="auto"
 AUTO_THRESHOLD = 1e-3  # smallest draw value with budget="auto" (the cost model decides above it)
-# At temperature 0 the values come from softmax(logits / GREEDY_VALUE_TEMPERATURE): greedy matching accepts the
-# draft's top token more often, and its runners-up less often, than softmax at temperature 1 says. Measured on
-# the embedded pair (6 prompts, 48 tokens, one run each): budget 16, tau 4.04 at 11.9 nodes (1) -> 4.75 at 12.8
-# (0.5) -> 4.58 (0.3); budget auto, tau 3.04 at 2.7 nodes -> 3.69 at 4.2, speed unchanged (1.36x vs 1.37x plain).
-GREEDY_VALUE_TEMPERATURE = 0.5
 FIRST_RATE = 0.8  # prior of the share of steps whose first draft token is accepted (batch-aware auto budget)
 
 
-# ---------------------------------------------------------------- shared by the dynamic drafters
-
-
-def value_distribution(logits: torch.Tensor, cfg: SamplingConfig, temperature: float | None) -> torch.Tensor:
-    """q [V] fp32 that draws (T > 0) and values use: W(logits) at the drafter's temperature; at temperature 0,
-    where draws are deterministic, softmax(logits / temperature) for the values alone (GREEDY_VALUE_TEMPERATURE
-    unless given). Any value function is exact at temperature 0: the draws are the top remaining tokens."""
-    check_finite(logits, "draft")
-    if cfg.greedy:
-        return torch.softmax(logits.float() / (temperature or GREEDY_VALUE_TEMPERATURE), dim=-1)
-    return warp(logits, cfg if temperature is None else replace(cfg, temperature=temperature))
-
-
-def pick(r: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> int:
-    """The next draw from the remaining mass R (unnormalised): y ~ R / ΣR, or argmax R (lowest id) when greedy."""
-    return int(torch.argmax(r)) if greedy else sample(r / r.sum(), generator)
-
-
-def expected_gain(v: float, r: torch.Tensor) -> float:
-    """E[v(child)] of the next draw before it is made: v · Σ_y (R(y)/m) q(y) = v · ΣR² / m (R(y) = q(y) if undrawn)."""
-    m = float(r.sum())
-    return v * float((r * r).sum()) / m if m > 0 else 0.0
-
-
-def steer(t: float, size: int, cap: int) -> float:
-    """The next step's threshold: up 1.5x when the tree hit the cap, down 1.2x when it used < 3/4 of it, in
-    [1e-4, 0.5]. With a binding cap the threshold variant spends it on shallow draws before deeper, better ones;
-    with t at the heap's last draw value it builds the heap's tree (§5.2). t depends only on earlier steps, so
-    the decision to draw still uses only the past: exact."""
-    if size >= cap:
-        return min(t * 1.5, 0.5)
-    return max(t / 1.2, 1e-4) if size < 0.75 * cap else t
-
-
-def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float, extra_nodes: int = 1,
-          extra_draft_s: float = 0.0, batch: BatchLedger | None = None) -> bool:
-    """Does adding `extra_nodes` draft tokens of estimated value `gain` (and `extra_draft_s` of draft forwards)
-    raise the estimated tokens per second of the step? tokens ≈ 1 + Σ v, seconds = draft + t_target(n + 1):
-
-        (1 + S + gain) / (draft_s + extra + t_target(n + extra_nodes + 1))  >  (1 + S) / (draft_s + t_target(n + 1))
-
-    In a batch (docs/algorithms.md §11) the step is the batch's: the other requests' expected tokens T_o, draft
-    seconds D_o and target rows R_o join both sides, (T_o + 1 + S) / (D_o + draft_s + t_target(R_o + n + 1)), so
-    one more row must pay for the whole batch's forward growing, and at high load nothing does. A request still to
-    propose counts as its root: one row, one token.
-    """
-    t_o, d_o, r_o = ((batch.tokens + batch.pending, batch.draft_s(cost.t_draft), batch.rows + batch.pending)
-                     if batch is not None
-                     else (0.0, 0.0, 0))
-    now = (t_o + 1 + value_sum) / (d_o + draft_s + cost.t_target(r_o + n + 1))
-    then = (t_o + 1 + value_sum + gain) / (d_o + draft_s + extra_draft_s + cost.t_target(r_o + n + extra_nodes + 1))
-    return then > now
-
-
-# ---------------------------------------------------------------- options and the growing tree
+# ---------------------------------------------------------------- options
 
 
 @dataclass(frozen=True)
@@ -162,72 +104,17 @@ class DySpecOptions:
 
 
 
-@dataclass
-class Slot:
-    """A node that draws children: v = v(u), conf = q of its own token (v(u) / v(parent); 1 at the root),
-    r = remaining mass R_u (None until its draft forward), q = q(·|ctx(u))."""
-
-    v: float
-    depth: int
-    conf: float = 1.0
-    r: torch.Tensor | None = None
-    q: torch.Tensor | None = None
-    drawn: int = 0  # children drawn so far
-
-    def draw_value(self) -> float:
-        """v(u) · m_u; m_u = 1 exactly before the first draw (q sums to 1), so both variants see the same values."""
-        return self.v * float(self.r.sum()) if self.drawn else self.v
-
-    def fill(self, q: torch.Tensor) -> None:
-        self.q, self.r = q, q.clone()
-
-
-@dataclass
-class Growth:
-    """The tree being grown: nodes in creation order (siblings in draw order), their values and q rows."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    values: list[float] = field(default_factory=list)
-    qs: list[torch.Tensor] = field(default_factory=list)
-    draw_values: list[float] = field(default_factory=list)  # value of the draw that made each node
-    rows: dict[int, int] = field(default_factory=dict)  # node (-1 = root) -> pending row in the draft cache
-    draft_s: float = 0.0  # estimated seconds of draft forwards so far (auto budget)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def draw(self, node: int, slot: Slot, greedy: bool, generator: torch.Generator | None) -> int:
-        """Make u's next draw: y from R_u, a child of value v(u)·q(y); R_u loses y. Returns the child."""
-        self.draw_values.append(slot.draw_value())
-        y = pick(slot.r, greedy, generator)
-        self.tokens.append(y)
-        self.parents.append(node)
-        self.values.append(slot.v * float(slot.q[y]))
-        self.qs.append(slot.q)
-        slot.r[y] = 0
-        slot.drawn += 1
-        return len(self.tokens) - 1
-
-    def tree(self, greedy: bool) -> DraftTree:
-        tokens = torch.tensor(self.tokens, dtype=torch.long)
-        parents = torch.tensor(self.parents, dtype=torch.long)
-        if greedy or not self.tokens:
-            return DraftTree(tokens, parents, None, "point")
-        return DraftTree(tokens, parents, torch.stack(self.qs), "swor")
-
-
 # ---------------------------------------------------------------- the drafter
 
 
-class DySpecDrafter:
+class DySpecDrafter(BatchAware):
     """DySpec's dynamic tree from a draft model (module docstring): the heap or the threshold variant.
 
     After `propose`: `values[i]` = v(node i), `draw_values[i]` = the value of the draw that made node i, `rows`
     = node -> pending row of the draft cache (fed nodes), `stats` = numbers of the step; forwards = draft
     forwards of the step (the catch-up forward included)."""
 
-    def __init__(self, model: Model, opts: DySpecOptions | None = None, cost: CostModel | None = None) -> None:
+    def __init__(self, model: Backend, opts: DySpecOptions | None = None, cost: CostModel | None = None) -> None:
         self.model, self.opts, self.cost = model, opts or DySpecOptions(), cost
         self.cache = model.new_cache()
         if self.opts.budget == "auto" and cost is None:
@@ -255,8 +142,8 @@ class DySpecDrafter:
         self.cache = self.model.new_cache()
         self.t = self.opts.t
 
-    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        self.skipped = self.auto and self.ledger is not None and not self._speculation_pays(seq, cfg)
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        self.skipped = self.auto and self.ledger is not None and not (yield from self._speculation_pays(seq, cfg))
         if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
             self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
             self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
@@ -265,14 +152,14 @@ class DySpecDrafter:
             return EMPTY
         g = Growth(draft_s=self._t_draft(1))
         self._publish(g)
-        logits = catch_up(self.model, self.cache, seq)
+        logits = yield from catch_up(self.model, self.cache, seq)
         self.forwards = 1
         root = Slot(1.0, 0)
         root.fill(value_distribution(logits, cfg, self.opts.temperature))
         if self.opts.variant == "heap":
-            self._grow_heap(g, root, cfg, generator)
+            yield from self._grow_heap(g, root, cfg, generator)
         else:
-            self._grow_layers(g, root, cfg, generator)
+            yield from self._grow_layers(g, root, cfg, generator)
         self.rows, self.values, self.draw_values = g.rows, g.values, g.draw_values
         self.expected_tokens = 1 + sum(g.values)
         self.stats = {"nodes": len(g), "value_sum": sum(g.values), "fed_rows": len(g.rows), "threshold": self.t}
@@ -290,7 +177,7 @@ class DySpecDrafter:
         if self.auto:
             self.first_rate = 0.9 * self.first_rate + 0.1 * bool(verdict.path)
 
-    def _speculation_pays(self, seq: list[int], cfg: SamplingConfig) -> bool:
+    def _speculation_pays(self, seq: list[int], cfg: SamplingConfig) -> Generator[Any, Any, bool]:
         """In a batch: is a first draft token worth its row, at the rate first tokens were accepted so far? Its
         catch-up (the whole prompt at first) is charged over the steps left (§11.1). Never beside a prompt chunk."""
         if self.ledger.filling:
@@ -298,11 +185,12 @@ class DySpecDrafter:
         self.first_len = self.first_len or len(seq)
         left = max(cfg.max_new_tokens - (len(seq) - self.first_len + 1), 1)  # tokens still to generate
         once = (self._t_draft(behind(self.cache, seq)) - self._t_draft(1)) * (1 + self.first_rate) / left
-        return self._round_pays(Growth(), self.first_rate, 1, 1, once)
+        return (yield from self._round_pays(Growth(), self.first_rate, 1, 1, once))
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
-    def _grow_heap(self, g: Growth, root: Slot, cfg: SamplingConfig, generator: torch.Generator | None) -> None:
+    def _grow_heap(self, g: Growth, root: Slot, cfg: SamplingConfig,
+                   generator: torch.Generator | None) -> Generator[Any, Any, None]:
         """Alg. 1: pop the best draw; draw it; push the node's next draw and the child's first draw."""
         t = self.opts.threshold if self.opts.threshold is not None else (AUTO_THRESHOLD if self.auto else 0.0)
         slots, order = {-1: root}, itertools.count()
@@ -313,7 +201,7 @@ class DySpecDrafter:
             if -negv < t or not self._draw_pays(g, slot):
                 break  # draw values only fall from here on
             if slot.r is None:
-                self._fetch(g, [node] + self._lacking(heap, slots), slots, cfg)
+                yield from self._fetch(g, [node] + self._lacking(heap, slots), slots, cfg)
             child = g.draw(node, slot, cfg.greedy, generator)
             if float(slot.r.sum()) > 0:
                 heapq.heappush(heap, (-slot.draw_value(), next(order), node))
@@ -328,16 +216,17 @@ class DySpecDrafter:
 
     # -------------------------------------------------------- §5.2: threshold, layer by layer
 
-    def _grow_layers(self, g: Growth, root: Slot, cfg: SamplingConfig, generator: torch.Generator | None) -> None:
+    def _grow_layers(self, g: Growth, root: Slot, cfg: SamplingConfig,
+                     generator: torch.Generator | None) -> Generator[Any, Any, None]:
         """Alg. 2: per depth, draw from the layer's nodes while the draw value is >= t, then feed the new nodes
         that will draw (value >= t, depth left) in one batched draft forward."""
         layer = {-1: root}
         while layer:
             new = self._draw_layer(g, layer, cfg, generator)
             expand = {c: s for c, s in new.items() if s.depth < self.opts.depth and s.v >= self.t}
-            if not expand or len(g) >= self.opts.cap or not self._layer_pays(g, expand):
+            if not expand or len(g) >= self.opts.cap or not (yield from self._layer_pays(g, expand)):
                 return
-            self._fetch(g, list(expand), expand, cfg)
+            yield from self._fetch(g, list(expand), expand, cfg)
             layer = expand
 
     def _draw_layer(self, g: Growth, layer: dict[int, Slot], cfg: SamplingConfig,
@@ -360,12 +249,13 @@ class DySpecDrafter:
 
     # -------------------------------------------------------- draft forwards and the auto budget
 
-    def _fetch(self, g: Growth, nodes: list[int], slots: dict[int, Slot], cfg: SamplingConfig) -> None:
+    def _fetch(self, g: Growth, nodes: list[int], slots: dict[int, Slot],
+               cfg: SamplingConfig) -> Generator[Any, Any, None]:
         """One batched draft forward over `nodes` (each a drafted node whose parent was fed): their q."""
         parent_rows = [g.rows.get(g.parents[n], -1) for n in nodes]
         g.draft_s += self._t_draft(len(nodes))
         self._publish(g)  # in a batch the other requests take their turns while this forward waits for theirs
-        logits, rows = feed(self.model, self.cache, [g.tokens[n] for n in nodes], parent_rows)
+        logits, rows = yield from feed(self.model, self.cache, [g.tokens[n] for n in nodes], parent_rows)
         self.forwards += 1
         for i, n in enumerate(nodes):
             g.rows[n] = rows[i]
@@ -393,19 +283,21 @@ class DySpecDrafter:
                          self.ledger)
         return worth(self.cost, len(g), sum(g.values), g.draft_s, expected_gain(slot.v, slot.r), batch=self.ledger)
 
-    def _layer_pays(self, g: Growth, expand: dict[int, Slot]) -> bool:
+    def _layer_pays(self, g: Growth, expand: dict[int, Slot]) -> Generator[Any, Any, bool]:
         """auto: is one more depth worth a draft forward over `expand`? Each fed node's first draw is estimated
         at v(u) · q(u's token) (the draft's confidence persists)."""
         if not self.auto:
             return True
-        return self._round_pays(g, sum(s.v * s.conf for s in expand.values()), len(expand), len(expand))
+        return (yield from self._round_pays(g, sum(s.v * s.conf for s in expand.values()), len(expand),
+                                            len(expand)))
 
-    def _round_pays(self, g: Growth, gain: float, nodes: int, draft_rows: int, once: float = 0.0) -> bool:
+    def _round_pays(self, g: Growth, gain: float, nodes: int, draft_rows: int,
+                    once: float = 0.0) -> Generator[Any, Any, bool]:
         """Does a draft forward of `draft_rows` rows (and `once` seconds charged this step) adding `nodes` nodes worth
         `gain` pay? In a batch all bids for a round are weighed together, the round priced once (`settle`)."""
         if self.ledger is not None:
             self._publish(g, grown=True)  # what it commits to now, for the joint weighing
-            if (joint := self.ledger.round(self.cost, gain, nodes, draft_rows, once)) is not None:
+            if (joint := (yield from self.ledger.round(self.cost, gain, nodes, draft_rows, once))) is not None:
                 return joint
         return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, nodes, self._t_draft(draft_rows) + once,
                      self.ledger)

@@ -29,8 +29,10 @@ Work saved by merging, per step (`GSDDrafter.stats`; sums over a generation in `
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -38,10 +40,10 @@ from speculor.config import SamplingConfig, check_int
 from speculor.core.sampling import check_finite
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import Shared, catch_up, feed, keep_fed_path
+from speculor.drafters.base import Drafter, Proposal, Shared, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Backend
 from speculor.runtime.loading import Pair
-from speculor.runtime.model import Model
 
 STAT_KEYS = ("drafted", "verified", "merges", "tokens_saved", "fed_rows", "rows_saved", "forwards", "forwards_saved")
 
@@ -191,12 +193,12 @@ def candidates(logits: torch.Tensor, n: int, sibling_threshold: float) -> list[t
 # ---------------------------------------------------------------- the drafter
 
 
-class GSDDrafter:
+class GSDDrafter(Drafter):
     """GSD's draft graph from a draft model, unrolled to a tree (module docstring). After `propose`: `dag`,
     `unrolled`, `rows` (tree node -> pending row, for fed real nodes), `stats` of the step; `totals` sums the
     stats since `reset()`."""
 
-    def __init__(self, model: Model, opts: GSDOptions | None = None) -> None:
+    def __init__(self, model: Backend, opts: GSDOptions | None = None) -> None:
         self.model, self.opts = model, opts or GSDOptions()
         self.cache = model.new_cache()
         self.forwards = 0
@@ -210,8 +212,8 @@ class GSDDrafter:
         self.cache = self.model.new_cache()
         self.totals = dict.fromkeys(STAT_KEYS, 0)
 
-    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        dag, fed = self._draft(seq)
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        dag, fed = yield from self._draft(seq)
         un = unroll(dag, self.opts.budget)
         self.dag, self.unrolled = dag, un
         self.rows = {i: fed[o] for i, (o, r) in enumerate(zip(un.origin, un.real, strict=True)) if r and o in fed}
@@ -220,11 +222,11 @@ class GSDDrafter:
             self.totals[key] += value
         return un.tree
 
-    def _draft(self, seq: list[int]) -> tuple[Dag, dict[int, int]]:
+    def _draft(self, seq: list[int]) -> Generator[Any, Any, tuple[Dag, dict[int, int]]]:
         """Breadth-first drafting with merging; the DAG and DAG node -> pending row of the fed nodes."""
         o = self.opts
         dag, fed = Dag(), {}
-        frontier = [(-1, catch_up(self.model, self.cache, seq))]
+        frontier = [(-1, (yield from catch_up(self.model, self.cache, seq)))]
         self.forwards = 1
         for level in range(o.depth):
             expand = []
@@ -242,7 +244,7 @@ class GSDDrafter:
             if not expand or len(dag) >= o.budget:
                 break
             parent_rows = [fed.get(dag.parents[c], -1) for c in expand]
-            out, rows = feed(self.model, self.cache, [dag.tokens[c] for c in expand], parent_rows)
+            out, rows = yield from feed(self.model, self.cache, [dag.tokens[c] for c in expand], parent_rows)
             self.forwards += 1
             fed.update(zip(expand, rows, strict=True))
             frontier = list(zip(expand, out, strict=True))

@@ -13,7 +13,8 @@ from functools import partial
 from typing import Any
 
 from speculor.config import check_int
-from speculor.drafters.base import ChainDrafter, Shared, Strategy
+from speculor.drafters.base import Shared, Strategy
+from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.dyspec import make_dyspec
 from speculor.drafters.gsd import make_gsd
 from speculor.drafters.sequoia import make_sequoia

@@ -20,15 +20,17 @@ from typing import Any
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int
+from speculor.core import goodput
 from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees, tree_choices
-from speculor.core.tree import EMPTY, DraftTree
+from speculor.core.tree import EMPTY
 from speculor.core.verify import Verdict
-from speculor.drafters.base import BatchLedger, TreeDrafter
+from speculor.drafters.base import BatchAware, BatchLedger, Proposal
+from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir, slug
+from speculor.runtime.backend import Backend
 from speculor.runtime.cost import CostModel, machine_cost
 from speculor.runtime.loading import Pair
-from speculor.runtime.model import Model
 
 logger = logging.getLogger("speculor")
 
@@ -171,7 +173,7 @@ class SequoiaPlans:
     is made per (temperature, top-p) on first use and kept (a memo: the same inputs give the same plan).
     """
 
-    def __init__(self, draft: Model, target_name: str, draft_name: str, opts: SequoiaOptions,
+    def __init__(self, draft: Backend, target_name: str, draft_name: str, opts: SequoiaOptions,
                  cost: CostModel | None = None) -> None:
         self.draft, self.names, self.opts, self.cost = draft, (target_name, draft_name), opts, cost
         self.plans: dict[tuple[float, float], Plan] = {}
@@ -201,12 +203,11 @@ class SequoiaPlans:
         """
         if ledger.filling:  # prompt chunks in the step: drafting would hold up their requests (dyspec.py)
             return None
-        r_o, t_o = ledger.rows + ledger.pending, ledger.tokens + ledger.pending  # a request to come: its root
-        d_o = ledger.draft_s(self.cost.t_draft)
-        best, best_rate = None, (t_o + 1) / (d_o + self.cost.t_target(r_o + 1))
+        t_o, r_o, d_o = goodput.others(ledger, self.cost)
+        best, best_rate = None, goodput.rate(self.cost, t_o + 1, r_o + 1, d_o)
         for c in self.choices(cfg):  # draft(T) as alone: a shared round is mostly paid whoever drafts (dyspec.py)
             draft_s = c.step_s - self.cost.t_target(c.n)
-            rate = (t_o + c.expected_tokens) / (d_o + draft_s + self.cost.t_target(r_o + c.n))
+            rate = goodput.rate(self.cost, t_o + c.expected_tokens, r_o + c.n, d_o + draft_s)
             if rate > best_rate:
                 best, best_rate = c, rate
         return best
@@ -215,7 +216,7 @@ class SequoiaPlans:
         return SequoiaDrafter(self)
 
 
-class SequoiaDrafter:
+class SequoiaDrafter(BatchAware):
     """One request's Sequoia tree: children drawn without replacement (exponential keys) and verified with the
     SWOR rule; deterministic top-k children and greedy matching at temperature 0. A `TreeDrafter` of the plan's
     shape does the drafting (with this request's draft cache)."""
@@ -233,7 +234,7 @@ class SequoiaDrafter:
     def reset(self) -> None:
         self.cache, self.inner = self.plans.draft.new_cache(), None
 
-    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         plan = self.plans.plan(cfg)
         shape, self.expected_tokens = list(plan.shape), plan.expected_tokens
         if self.batch_aware and self.ledger is not None:  # decided from the batch and the plans: exact
@@ -246,7 +247,7 @@ class SequoiaDrafter:
             self.ledger.publish(choice.n, choice.expected_tokens)  # before drafting: the requests after it see it
         if self.inner is None or self.inner.shape != shape:
             self.inner = TreeDrafter(self.plans.draft, shape, draw="swor", cache=self.cache)
-        tree = self.inner.propose(seq, cfg, generator)
+        tree = yield from self.inner.propose(seq, cfg, generator)
         self.forwards = self.inner.forwards
         return tree
 

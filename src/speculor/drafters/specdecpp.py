@@ -35,10 +35,11 @@ from safetensors.torch import load_file, save_file
 from speculor.config import SamplingConfig, check_int, is_int
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import Shared, catch_up, draw, keep_chain
+from speculor.drafters.base import Drafter, Forward, Proposal, Shared, catch_up, draw, keep_chain
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
 from speculor.runtime.assets import cache_dir
+from speculor.runtime.backend import Backend, Block
 from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 
@@ -208,7 +209,7 @@ class Head(Protocol):
     def accept_prob(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-class SpecDecPPDrafter:
+class SpecDecPPDrafter(Drafter):
     """A chain from a draft model whose length is decided on the fly by an acceptance-prediction head (§7).
 
     Step j draws Y_j from the draft logits, then asks the rule; to go on it feeds Y_j, which gives the logits
@@ -217,7 +218,7 @@ class SpecDecPPDrafter:
     a generation uses the entry nearest its temperature (greedy prefers the 0 entry).
     """
 
-    def __init__(self, model: Model, head: Head, thresholds: dict[float, float] | float = DEFAULT_THRESHOLD,
+    def __init__(self, model: Backend, head: Head, thresholds: dict[float, float] | float = DEFAULT_THRESHOLD,
                  k_min: int = BOUND[0], k_max: int = BOUND[1]) -> None:
         table = (thresholds if isinstance(thresholds, dict) else {0.0: thresholds}) or {0.0: DEFAULT_THRESHOLD}
         self.rules = {float(t): StopRule(h, k_min, k_max) for t, h in table.items()}
@@ -232,9 +233,9 @@ class SpecDecPPDrafter:
         self.cache = self.model.new_cache()
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         rule = self.rule(cfg)
-        logits = catch_up(self.model, self.cache, seq)
+        logits = yield from catch_up(self.model, self.cache, seq)
         tokens, qs, cum, self.p_hat = [], [], 1.0, []
         while True:
             y, q = draw(logits, cfg, generator)
@@ -242,7 +243,7 @@ class SpecDecPPDrafter:
             qs.append(q)
             if rule.stop(len(tokens), cum):
                 break
-            out, hidden = self.model.forward(self.cache, [y], hidden=True)
+            out, hidden = yield Forward(self.model, Block(self.cache, [y], hidden=True))
             self.cache.keep([0])
             self.p_hat.append(float(self.head.accept_prob(hidden[-1])))
             cum *= self.p_hat[-1]

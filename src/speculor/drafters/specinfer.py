@@ -23,10 +23,13 @@ from functools import partial
 from typing import Any
 
 from speculor.core.tree import expansion_shape
-from speculor.drafters.base import Drafter, MergedDrafter, NgramDrafter, Shared, TreeDrafter
+from speculor.drafters.base import Drafter, Shared
+from speculor.drafters.merged import MergedDrafter
+from speculor.drafters.ngram import NgramDrafter
+from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Backend
 from speculor.runtime.loading import Pair
-from speculor.runtime.model import Model
 
 PAPER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's experiments
 MAX_NODES = 512  # draft tokens per step
@@ -96,7 +99,7 @@ def make_specinfer(pair: Pair, expansion: str | int | Sequence[int] = PAPER_EXPA
     return Shared(partial(_specinfer_drafter, pair.draft, expansion_shape(list(ks)), len(ks), items))
 
 
-def _specinfer_drafter(draft: Model | None, shape: list[int], depth: int, items: list[Any]) -> Drafter:
+def _specinfer_drafter(draft: Backend | None, shape: list[int], depth: int, items: list[Any]) -> Drafter:
     subs: list[Drafter] = []
     for item in items:
         if not isinstance(item, tuple):

@@ -21,8 +21,10 @@ ends the growth early when no node of a layer can matter.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -30,10 +32,10 @@ from speculor.config import SamplingConfig, check_int
 from speculor.core.sampling import check_finite
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import Shared, catch_up, feed, keep_fed_path
+from speculor.drafters.base import Drafter, Proposal, Shared, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Backend
 from speculor.runtime.loading import Pair
-from speculor.runtime.model import Model
 
 
 @dataclass(frozen=True)
@@ -89,11 +91,11 @@ def select(pool: Pool, budget: int) -> list[int]:
     return sorted(chosen, key=lambda i: (pool.depths[i], i))
 
 
-class TopkTreeDrafter:
+class TopkTreeDrafter(Drafter):
     """The EAGLE-2-style tree from a draft model (module docstring). After `propose`: `values` (log values of
     the tree's nodes), `rows` (tree node -> pending row of the draft cache for fed nodes), `stats`."""
 
-    def __init__(self, model: Model, opts: TopkOptions | None = None) -> None:
+    def __init__(self, model: Backend, opts: TopkOptions | None = None) -> None:
         self.model, self.opts = model, opts or TopkOptions()
         self.cache = model.new_cache()
         self.forwards = 0
@@ -104,8 +106,8 @@ class TopkTreeDrafter:
     def reset(self) -> None:
         self.cache = self.model.new_cache()
 
-    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        pool, fed = self._grow(catch_up(self.model, self.cache, seq))
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        pool, fed = yield from self._grow((yield from catch_up(self.model, self.cache, seq)))
         chosen = select(pool, self.opts.budget)
         index = {p: i for i, p in enumerate(chosen)}
         assert all(pool.parents[p] < 0 or pool.parents[p] in index for p in chosen), "reranking broke the tree"
@@ -116,7 +118,7 @@ class TopkTreeDrafter:
         return DraftTree(torch.tensor([pool.tokens[p] for p in chosen], dtype=torch.long),
                          torch.tensor(parents, dtype=torch.long), None, "point")
 
-    def _grow(self, root_logits: torch.Tensor) -> tuple[Pool, dict[int, int]]:
+    def _grow(self, root_logits: torch.Tensor) -> Generator[Any, Any, tuple[Pool, dict[int, int]]]:
         """The candidate pool after `depth` steps, and pool index -> pending row of the nodes fed forward."""
         pool, fed = Pool(), {}
         cand = pool.expand(-1, root_logits, self.opts.k)
@@ -126,7 +128,7 @@ class TopkTreeDrafter:
             layer = [u for u in rank(pool.values, pool.depths, cand)[: self.opts.k] if u in kept]
             if not layer:
                 break
-            logits, rows = feed(self.model, self.cache, [pool.tokens[u] for u in layer],
+            logits, rows = yield from feed(self.model, self.cache, [pool.tokens[u] for u in layer],
                                 [fed.get(pool.parents[u], -1) for u in layer])
             self.forwards += 1
             fed.update(zip(layer, rows, strict=True))

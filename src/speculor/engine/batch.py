@@ -3,15 +3,15 @@ request is verified, compacted and streamed on its own (docs/algorithms.md §11)
 
     trees = propose_all(requests)                                     (engine/drafting.py: each request's
                                                                       propose, draft forwards batched by round)
-    target.forward_batch([(cache_i, [root_i] + tree_i) for i])       (stacked rows, attention per request)
+    target.forward([Block(cache_i, [root_i] + tree_i) for i])        (stacked rows, attention per request)
     for each request i:  verdict_i = verify(tree_i, p_i, generator_i); cache_i.keep(root + path_i); observe
 
 A request's rows meet other requests' rows only in the linear layers, whose per-row arithmetic does not depend on
 the other rows (runtime/batched.py), and its random numbers come from its own generator: its output is what it
 would emit alone with the same trees. Requests join (`start`; with prefill=False their prompts are filled chunk by
 chunk inside the steps) and leave (`done`) between steps. A drafter that sizes its tree for the batch
-(`batch_aware`) sees, while it proposes, what the other requests of the step have drafted so far, the prompt chunks
-included (`drafting.Seat`).
+(drafters/base.py `BatchAware`) sees, while it proposes, what the other requests of the step have drafted so far,
+the prompt chunks included (`drafting.Seat`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from speculor.config import SamplingConfig
 from speculor.drafters.base import Drafter
 from speculor.engine.drafting import Book, propose_all
 from speculor.engine.loop import Request, Stats, Token, block, emit, record, settle, start
-from speculor.runtime.model import Model
+from speculor.runtime.backend import Backend, Block
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Active:
 PREFILL_CHUNK = 32  # prompt tokens a joining request adds to one batched forward (its rows cost ~ one step's)
 
 
-def step(target: Model, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -> list[list[Token]]:
+def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -> list[list[Token]]:
     """One batched step over the active requests; the tokens each one emits (already appended to its seq).
 
     A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
@@ -52,9 +52,9 @@ def step(target: Model, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -> 
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
     share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
-    blocks = [(a.req.cache, chunks[id(a)], None) for a in filling]
+    blocks = [Block(a.req.cache, chunks[id(a)]) for a in filling]
     t1 = time.perf_counter()
-    all_logits = target.forward_batch(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
+    all_logits = target.forward(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
     t2 = time.perf_counter()
     emitted: dict[int, list[Token]] = {}
     for a in filling:
@@ -78,7 +78,7 @@ def _chunk(req: Request, size: int) -> list[int]:
     return req.seq[done:done + min(size, req.unfilled)]
 
 
-def generate(target: Model, entries: Sequence[tuple[Drafter | None, list[int], SamplingConfig]],
+def generate(target: Backend, entries: Sequence[tuple[Drafter | None, list[int], SamplingConfig]],
              eos_ids: frozenset[int] = frozenset(), stats: Sequence[Stats] | None = None
              ) -> Iterator[tuple[int, list[Token]]]:
     """Decode several requests together: yields (request index, tokens it emitted this step) until all are done.

@@ -1,50 +1,38 @@
-"""A step's drafting: every request's `propose`, with the draft forwards of all of them batched.
+"""A step's drafting: every request's proposal driven round by round, the draft forwards of each round batched.
 
-A drafter is sequential code that calls its draft model's `forward` between draws. To batch those calls across
-requests without rewriting any drafter, each request proposes on a thread of its own (kept between steps) and the
-threads take turns, one at a time in request order; a lean draft forward parks its thread (`Model.forward` is
-routed here, runtime/model.py `routed`). When every request has parked or finished, the parked calls run as ONE
-forward per draft model (`Model.forward_many`: the linear layers over the stacked rows, attention per request),
-each thread gets its own result and the next round of turns begins. So round r is the r-th draft forward of every
-request still drafting: a tree drafter's depth r for all requests in one forward.
+A drafter's `propose` is a generator (drafters/base.py): it yields each draft forward it needs, and each bid for a
+shared draft round, and receives the answer. `propose_all` advances every request's proposal in request order to
+its next yield; when all have yielded (or finished), the round's bids are settled together (`settle`) and those
+requests advance again; then the round's forwards of each draft model run as ONE `forward` call (lean.py: the
+linear layers over the stacked rows, attention per request) and each proposal gets its own result. So round r is
+the r-th draft forward of every request still drafting: a tree drafter's depth r for all requests in one forward.
 
     round 0: each request catches up (its root)   -> one forward over all roots
     round r: each request draws, then feeds a depth -> one forward over all requests' depth-r rows
 
-Kernels. fbgemm's int8 quantises a call's activations with one step for the call, so stacked rows would round
-with their neighbours. When any request of the step samples, the draft's rows are computed apart
-(kernels.scale_rows): a sampled request's q then follows from its own tokens alone, so its output follows from
-its seed alone, alone or in any batch. A lone sampled request (the single-stream loop) drafts the same way, so a
-seed gives the same text in `generate`, `bench` and `serve`. Greedy steps keep the faster per-call kernel: any q
-gives the target's own tokens at temperature 0.
+When any request of the step samples, the draft's rows are computed apart (`apart`, kernels.scale_rows): a
+sampled request's q then follows from its own tokens alone, so its output follows from its seed alone, alone or in
+any batch. A lone sampled request drafts the same way, so a seed gives the same text in `generate`, `bench` and
+`serve`. Greedy steps keep the faster per-call kernel: any q gives the target's own tokens at temperature 0.
 
 The batch-aware budget (docs/algorithms.md §11.1) reads a live `Seat` of the step's `Book`: the other requests'
-target rows and expected tokens as their trees stand now, and their rows in each round's draft forward (the
-others' draft seconds). A request's wish for a draft forward is a `Bid`, parked like a forward; the round's bids are
-settled together (`settle`), the round's forward priced once for all the rows that go ahead.
+target rows and expected tokens as their trees stand now, and their rows in each round's draft forward.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from speculor.core import goodput
 from speculor.core.tree import EMPTY, DraftTree
-from speculor.drafters.base import BatchLedger
-from speculor.errors import SpeculorError
-from speculor.runtime.model import Call, Model, routed
+from speculor.drafters.base import BatchAware, BatchLedger, Forward, Proposal
 
 if TYPE_CHECKING:
     from speculor.engine.loop import Request
     from speculor.runtime.cost import CostModel
-
-_here = threading.local()  # .turn: the `_Turn` this worker thread is running (None outside a rendezvous)
 
 
 class Book:
@@ -91,11 +79,11 @@ class Seat(BatchLedger):
     def publish(self, rows: int, tokens: float) -> None:
         self.book.rows[self.i], self.book.tokens[self.i] = rows, tokens
 
-    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int, once: float = 0.0) -> bool | None:
-        """Park this bid until every request of the step has parked (a bid, a forward, or its end), then get the
-        joint answer (`settle`). None for a request drafting alone (no rendezvous): its own rate decides."""
-        turn = getattr(_here, "turn", None)
-        return None if turn is None else turn.bid(Bid(self.book, cost, gain, nodes, draft_rows, once))
+    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int,
+              once: float = 0.0) -> Generator[Bid, bool | None, bool | None]:
+        """A bid, answered once every request of the step has yielded (a bid, a forward, or its end): the joint
+        answer (`settle`), or None for a request drafting alone (its own rate decides)."""
+        return (yield Bid(self.book, cost, gain, nodes, draft_rows, once))
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: two requests may bid alike
@@ -112,9 +100,9 @@ class Bid:
 
 
 def settle(bids: Sequence[Bid]) -> list[bool]:
-    """Which bids of one draft round go ahead: the subset that maximises the step's tokens per second, the round's
-    forward priced once for all its rows. With T, R the batch's expected tokens and target rows as the trees stand,
-    D the step's draft forwards so far and S a subset of the bids,
+    """Which bids of one draft round go ahead: the subset S that maximises the step's tokens per second
+    (core/goodput.py), the round's forward priced once for all its rows. With T, R the batch's expected tokens and
+    target rows as the trees stand and D the step's draft forwards so far,
 
         rate(S) = (T + Σ_S gain) / (D + t_draft(Σ_S draft_rows) [S not empty] + Σ_S once + t_target(R + Σ_S nodes)).
 
@@ -127,10 +115,9 @@ def settle(bids: Sequence[Bid]) -> list[bool]:
 
     def rate(chosen: list[Bid]) -> float:
         if not chosen:
-            return tokens / (spent + cost.t_target(rows))
-        return ((tokens + sum(b.gain for b in chosen))
-                / (spent + cost.t_draft(sum(b.draft_rows for b in chosen)) + sum(b.once for b in chosen)
-                   + cost.t_target(rows + sum(b.nodes for b in chosen))))
+            return goodput.rate(cost, tokens, rows, spent)
+        return goodput.rate(cost, tokens + sum(b.gain for b in chosen), rows + sum(b.nodes for b in chosen),
+                            spent + cost.t_draft(sum(b.draft_rows for b in chosen)) + sum(b.once for b in chosen))
 
     order, left = [], list(bids)
     while left:
@@ -148,150 +135,79 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
     apart = any(r.drafter is not None and not r.cfg.greedy for r in reqs)
     drafting = [i for i, r in enumerate(reqs) if r.drafter is not None]
     for i in drafting:
-        if book is not None and getattr(reqs[i].drafter, "batch_aware", False):
-            reqs[i].drafter.ledger = book.seat(i)
-            book.rows[i], book.tokens[i] = getattr(reqs[i].drafter, "estimate", (1, 1.0))  # its last tree, until
-            # it decides (so the requests before it in turn count it too)
+        d = reqs[i].drafter
+        if book is not None and isinstance(d, BatchAware) and d.batch_aware:
+            d.ledger = book.seat(i)
+            book.rows[i], book.tokens[i] = d.estimate  # its last tree, until it decides (so the requests before
+            # it in turn count it too)
     trees = [EMPTY] * len(reqs)
-    jobs = [partial(_proposal, reqs[i], book, i) for i in drafting]
-    if len(jobs) == 1:  # alone: no other rows to wait for
-        with routed(lambda model, call: model.forward_many([call], apart=apart)[0]):
-            trees[drafting[0]] = jobs[0]()
-    elif jobs:
-        on_round = (lambda rnd, j, rows: book.drafted(rnd, drafting[j], rows)) if book is not None else None
-        for i, tree in zip(drafting, rendezvous(jobs, apart, on_round), strict=True):
-            trees[i] = tree
+    joint = len(drafting) > 1 and book is not None  # alone: no other rows to wait for, bids decided alone
+    on_round = (lambda rnd, j, rows: book.drafted(rnd, drafting[j], rows)) if joint else None
+    proposals = [_proposal(reqs[i], book, i) for i in drafting]
+    for i, tree in zip(drafting, rounds(proposals, apart, joint, on_round), strict=True):
+        trees[i] = tree
     return trees, time.perf_counter() - t0
 
 
-def _proposal(req: Request, book: Book | None, i: int) -> DraftTree:
+def _proposal(req: Request, book: Book | None, i: int) -> Proposal:
     """Request i's tree; a drafter that does not publish as it grows is entered in the book once it is done."""
-    tree = req.drafter.propose(req.seq, req.cfg, req.generator)
-    if book is not None and not getattr(req.drafter, "batch_aware", False):
-        book.rows[i], book.tokens[i] = 1 + len(tree), float(getattr(req.drafter, "expected_tokens", 1.0))
+    tree = yield from req.drafter.propose(req.seq, req.cfg, req.generator)
+    if book is not None and not req.drafter.batch_aware:
+        book.rows[i], book.tokens[i] = 1 + len(tree), float(req.drafter.expected_tokens)
     return tree
 
 
-class _Worker:
-    """A thread kept for turns (threads are made once, not every step: sixteen made and ended per step cost the
-    embedded pair's batched steps ~10 ms each and slowed the target's forward beside them)."""
-
-    def __init__(self) -> None:
-        self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
-        self.turn: _Turn | None = None
-        threading.Thread(target=self._loop, daemon=True, name="speculor-drafting").start()
-
-    def _loop(self) -> None:
-        while True:
-            self.go.acquire()
-            self.turn.run()
-            self.back.release()
-
-
-_idle: list[_Worker] = []  # workers between steps
-_idle_lock = threading.Lock()
-
-
-def _hire(n: int) -> list[_Worker]:
-    with _idle_lock:
-        hired = [_idle.pop() for _ in range(min(n, len(_idle)))]
-    return hired + [_Worker() for _ in range(n - len(hired))]
-
-
-def _release(workers: list[_Worker]) -> None:
-    with _idle_lock:
-        _idle.extend(workers)
-
-
 class _Turn:
-    """One job on a worker thread, run a turn at a time: from its start or its last forward to its next forward
-    (parked in `call`) or its end."""
+    """One proposal as the rounds drive it: what it asks for next (`ask`), or its tree once `done`."""
 
-    def __init__(self, job: Callable[[], DraftTree], worker: _Worker) -> None:
-        self.job, self.worker = job, worker
-        self.modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # thread-local: the caller's
-        self.call: tuple[Model, Call] | None = None
-        self.result: object = None
+    def __init__(self, proposal: Proposal) -> None:
+        self.proposal = proposal
+        self.answer: Any = None
+        self.ask: Forward | Bid | None = None
         self.tree: DraftTree | None = None
-        self.error: BaseException | None = None
-        self.done = self.aborted = False
-        worker.turn = self
+        self.done = False
 
-    def run(self) -> None:
-        """On the worker: the job, to its end (parking at each forward)."""
+    def advance(self) -> None:
+        """Send the answer to the last ask; run the proposal to its next ask or its end."""
         try:
-            if self.aborted:
-                raise _Abort("the step's drafting failed in another request")
-            grad, inference = self.modes
-            _here.turn = self
-            with routed(self._park), torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                self.tree = self.job()
-        except BaseException as exc:  # handed to the coordinating thread, which raises it
-            self.error = exc
-        _here.turn = None
-        self.done = True
-
-    def bid(self, bid: Bid) -> bool:
-        """Park a bid (model None) until the round's bids are settled; the answer."""
-        return bool(self._park(None, bid))
-
-    def _park(self, model: Model | None, call: Call | Bid) -> object:
-        self.call = (model, call)
-        self.worker.back.release()
-        self.worker.go.acquire()
-        if self.aborted:
-            raise _Abort("the step's drafting failed in another request")
-        result, self.result, self.call = self.result, None, None
-        return result
-
-    def turn(self) -> None:
-        """Run this job until it parks a forward or ends."""
-        self.worker.go.release()
-        self.worker.back.acquire()
+            self.ask = self.proposal.send(self.answer)
+        except StopIteration as stop:
+            self.tree, self.ask, self.done = stop.value, None, True
+        self.answer = None
 
 
-class _Abort(SpeculorError):
-    """Ends a parked job whose step failed elsewhere."""
-
-
-def rendezvous(jobs: Sequence[Callable[[], DraftTree]], apart: bool,
-               on_round: Callable[[int, int, int], None] | None = None) -> list[DraftTree]:
-    """Run the jobs in turns, their lean forwards of each round batched per model (module docstring); their trees.
-    on_round(round, job, rows) is told each job's rows in each round's forward."""
-    workers = _hire(len(jobs))
-    turns = [_Turn(job, w) for job, w in zip(jobs, workers, strict=True)]
-    index = {id(t): j for j, t in enumerate(turns)}
+def rounds(proposals: Sequence[Proposal], apart: bool, joint: bool = True,
+           on_round: Callable[[int, int, int], None] | None = None) -> list[DraftTree]:
+    """Drive the proposals round by round (module docstring), their forwards of each round batched per model; their
+    trees. joint: bids are settled together (else answered None: each decides alone). on_round(round, proposal,
+    rows) is told each proposal's rows in each round's forward."""
+    turns = [_Turn(p) for p in proposals]
     live, rnd = list(turns), 0
 
-    def run(ts: list[_Turn]) -> None:  # each to its next bid, forward or end
+    def advance(ts: list[_Turn]) -> list[_Turn]:  # each to its next ask or end; those still live
         for t in ts:
-            t.turn()
-            if t.error is not None:
-                raise t.error
+            t.advance()
+        return [t for t in live if not t.done]
 
     try:
         while live:
-            run(live)
-            live = [t for t in live if not t.done]
-            while bidding := [t for t in live if t.call[0] is None]:  # a round's bids, settled together
-                for t, yes in zip(bidding, settle([t.call[1] for t in bidding]), strict=True):
-                    t.result = yes
-                run(bidding)
-                live = [t for t in live if not t.done]
+            live = advance(live)
+            while bidding := [t for t in live if isinstance(t.ask, Bid)]:  # a round's bids, settled together
+                answers = settle([t.ask for t in bidding]) if joint else [None] * len(bidding)
+                for t, yes in zip(bidding, answers, strict=True):
+                    t.answer = yes
+                live = advance(bidding)
             by_model: dict[int, list[_Turn]] = {}
             for t in live:
-                by_model.setdefault(id(t.call[0]), []).append(t)
+                by_model.setdefault(id(t.ask.model), []).append(t)
             for group in by_model.values():
-                results = group[0].call[0].forward_many([t.call[1] for t in group], apart=apart)
+                results = group[0].ask.model.forward([t.ask.block for t in group], apart=apart)
                 for t, result in zip(group, results, strict=True):
-                    t.result = result
+                    t.answer = result
                     if on_round is not None:
-                        on_round(rnd, index[id(t)], len(t.call[1].tokens))
+                        on_round(rnd, turns.index(t), len(t.ask.block.tokens))
             rnd += 1
     finally:
         for t in turns:
-            if not t.done:  # a failed step: unpark the others so their threads end
-                t.aborted = True
-                t.turn()
-        _release(workers)
+            t.proposal.close()  # a failed step: the others' proposals end where they wait
     return [t.tree for t in turns]

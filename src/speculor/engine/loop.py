@@ -1,7 +1,7 @@
 """The decoding loop: one step = propose a draft tree, one target forward over it, verify, commit.
 
-    drafter.propose(seq) -> DraftTree
-    target.forward(cache, [root] + tree.tokens, tree mask, depth positions) -> logits per node
+    drafter.propose(seq) -> DraftTree                                  (its draft forwards: engine/drafting.py)
+    target.forward([Block(cache, [root] + tree.tokens, tree parents)]) -> logits per node
     verify_greedy / verify_sampled -> accepted path + recovered/bonus token
     cache.keep(root + path)      drafter.observe(verdict)      yield Token ...
 
@@ -26,8 +26,8 @@ from speculor.core.tree import EMPTY, DraftTree, block_parents
 from speculor.core.verify import Verdict, verify_greedy, verify_sampled
 from speculor.drafters.base import Drafter
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Backend, Block, forward1
 from speculor.runtime.cache import KVCache
-from speculor.runtime.model import Model
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Stats:
         return sum(s.accepted + 1 for s in self.steps) / max(len(self.steps), 1)
 
 
-def check_prompt(prompt: list[int], cfg: SamplingConfig, target: Model) -> None:
+def check_prompt(prompt: list[int], cfg: SamplingConfig, target: Backend) -> None:
     if not prompt:
         raise SpeculorError("the prompt is empty")
     if len(prompt) + cfg.max_new_tokens > target.context_length:
@@ -81,7 +81,7 @@ class Request:
     unfilled: int = 0  # prompt tokens (the root excepted) not yet in the target's cache: chunked prefill (batch.py)
 
 
-def start(target: Model, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
+def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
           stats: Stats | None = None, prefill: bool = True) -> Request:
     """A request after its prompt prefill: the target's cache holds every prompt token but the root. With
     prefill=False the cache starts empty and the batched step (engine/batch.py) fills it chunk by chunk."""
@@ -93,14 +93,14 @@ def start(target: Model, drafter: Drafter | None, prompt: list[int], cfg: Sampli
     if drafter is not None:
         drafter.reset()
     if prefill and req.unfilled:
-        target.forward(req.cache, prompt[:-1], last=True)  # its logits are not needed: the first step scores the root
+        forward1(target, req.cache, prompt[:-1], last=True)  # its logits are not needed: the first step scores the root
         req.cache.keep(list(range(req.unfilled)))
         req.unfilled = 0
     stats.prefill_s = time.perf_counter() - t0
     return req
 
 
-def stream(target: Model, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
+def stream(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
            eos_ids: frozenset[int] = frozenset(), stats: Stats | None = None) -> Iterator[Token]:
     """Generate after `prompt`, yielding tokens as they are accepted; fills `stats` if given."""
     req = start(target, drafter, prompt, cfg, stats)
@@ -121,9 +121,9 @@ def propose(req: Request) -> DraftTree:
     return propose_all([req])[0][0] if req.drafter is not None else EMPTY
 
 
-def block(req: Request, tree: DraftTree) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+def block(req: Request, tree: DraftTree) -> Block:
     """What the target forwards for a request: its cache, [root] + the tree's tokens, their block parents."""
-    return req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents)
+    return Block(req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents))
 
 
 def settle(req: Request, tree: DraftTree, logits: torch.Tensor) -> Verdict:
@@ -153,16 +153,16 @@ def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int
 def record(drafter: Drafter | None, verdict: Verdict, tree: DraftTree, draft_s: float, verify_s: float,
            overhead_s: float) -> Step:
     """The step's numbers: accepted and drafted tokens, draft forwards, the time split, the drafter's own stats."""
-    own = getattr(drafter, "stats", None)
+    own = drafter.stats if drafter is not None else None
     return Step(len(verdict.path), len(tree), drafter.forwards if drafter is not None else 0, draft_s, verify_s,
-                overhead_s, dict(own) if isinstance(own, dict) else None)
+                overhead_s, dict(own) if own is not None else None)
 
 
-def _step(target: Model, req: Request) -> tuple[Verdict, DraftTree, Step]:
+def _step(target: Backend, req: Request) -> tuple[Verdict, DraftTree, Step]:
     t0 = time.perf_counter()
     tree = propose(req)
     t1 = time.perf_counter()
-    logits = target.forward(*block(req, tree))
+    (logits,) = target.forward([block(req, tree)])
     t2 = time.perf_counter()
     verdict = settle(req, tree, logits)
     return verdict, tree, record(req.drafter, verdict, tree, t1 - t0, t2 - t1, time.perf_counter() - t2)

@@ -12,13 +12,14 @@ from tqdm import tqdm
 from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
-from speculor.drafters.base import TreeDrafter
+from speculor.drafters.base import Drafter, Proposal
 from speculor.drafters.sequoia import Calibration
+from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
 from speculor.runtime.loading import Pair
 
 
-class AcceptanceRecorder:
+class AcceptanceRecorder(Drafter):
     """A drafter wrapper that counts, per step, which child of the root was accepted (node i = rank i + 1)."""
 
     def __init__(self, inner: Any, width: int) -> None:
@@ -31,8 +32,8 @@ class AcceptanceRecorder:
     def reset(self) -> None:
         self.inner.reset()
 
-    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None):
-        return self.inner.propose(seq, cfg, generator)
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        return (yield from self.inner.propose(seq, cfg, generator))
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         self.steps += 1

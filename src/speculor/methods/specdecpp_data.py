@@ -20,6 +20,7 @@ from tqdm import tqdm
 from speculor.config import is_int
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir
+from speculor.runtime.backend import forward1
 from speculor.runtime.cache import KVCache
 from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
@@ -102,9 +103,9 @@ def mix(x: torch.Tensor, y: torch.Tensor, r: float, generator: torch.Generator |
 
 def teacher_logits(model: Model, cache: KVCache, prompt: list[int], x: list[int]) -> torch.Tensor:
     """Logits [len(x), V] predicting X_0..X_{n-1} on prompt + X_<i; the prompt stays committed in `cache`."""
-    first = model.forward(cache, prompt, last=True)
+    first = forward1(model, cache, prompt, last=True)
     cache.keep(list(range(len(prompt))))
-    return torch.cat([first, model.forward(cache, x[:-1])]) if len(x) > 1 else first
+    return torch.cat([first, forward1(model, cache, x[:-1])]) if len(x) > 1 else first
 
 
 def sequence_features(pair: Pair, prompt: list[int], x: list[int], cfg: DataConfig,
@@ -113,7 +114,7 @@ def sequence_features(pair: Pair, prompt: list[int], x: list[int], cfg: DataConf
 
     Pass 1 (teacher forced on prompt + X, target and draft): p_i, q_i; Y_i ~ q_i at temperature T; labels.
     Pass 2 (draft on prompt + Z): the last hidden state at the position whose input token is Z_i, i.e. the
-    head's input for P̂(Y_i accepted), exactly as the drafter computes it (`Model.forward(..., hidden=True)`).
+    head's input for P̂(Y_i accepted), exactly as the drafter computes it (a block with hidden=True).
     """
     assert pair.draft is not None
     p_logits = teacher_logits(pair.target, pair.target.new_cache(), prompt, x)  # its cache is freed at once
@@ -123,7 +124,7 @@ def sequence_features(pair: Pair, prompt: list[int], x: list[int], cfg: DataConf
     y = torch.multinomial(q_t, 1, generator=generator)[:, 0]
     labels = soft_labels(p_logits, q_logits, y)
     z, from_y = mix(torch.tensor(x), y, cfg.mixing_ratio, generator)
-    _, hidden = pair.draft.forward(draft_cache, z, hidden=True, last=True)  # after the committed prompt
+    _, hidden = forward1(pair.draft, draft_cache, z, hidden=True, last=True)  # after the committed prompt
     return hidden[from_y].float(), labels[from_y]
 
 

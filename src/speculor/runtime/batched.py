@@ -21,24 +21,15 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from speculor.runtime.cache import KVCache
+from speculor.runtime.backend import Segment
 
 NAME = "speculor"  # an "sdpa" model is switched to this name: same masks, same attention, plus batches
 
 
 @dataclass(frozen=True)
-class Segment:
-    """Rows [start, stop) of the stacked block belong to `cache`; `mask` [1, 1, stop - start, kv] is their tree
-    mask against that cache (committed entries, earlier pending rows, the block)."""
-
-    cache: KVCache
-    start: int
-    stop: int
-    mask: torch.Tensor
-
-
-@dataclass(frozen=True)
 class Batch:
+    """Where each request's rows are in a stacked forward; a segment's mask is [1, 1, rows, kv]."""
+
     segments: tuple[Segment, ...]
 
 

@@ -24,7 +24,7 @@ import torch
 from speculor.core.sequoia_dp import feed_widths
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir, slug
-from speculor.runtime.kernels import linear_kinds
+from speculor.runtime.backend import forward1
 from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 
@@ -109,16 +109,16 @@ def time_forwards(model: Model, sizes: Sequence[int], *, prefix: int = 200, repe
     cache = model.new_cache()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, min(model.vocab_size, 1000), (prefix + max(sizes),), generator=g)
-    model.forward(cache, tokens[:prefix])
+    forward1(model, cache, tokens[:prefix])
     cache.keep(list(range(prefix)))
     for n in sizes:  # warm-up: every block size once, untimed (a cold first forward made t(1) read 0.37 s > t(4))
-        model.forward(cache, tokens[prefix:prefix + n])
+        forward1(model, cache, tokens[prefix:prefix + n])
     times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for i, n in enumerate(sizes):
             _sync(model)
             t0 = time.perf_counter()
-            model.forward(cache, tokens[prefix:prefix + n])
+            forward1(model, cache, tokens[prefix:prefix + n])
             _sync(model)
             times[i].append(time.perf_counter() - t0)
             if tick is not None:
@@ -134,7 +134,7 @@ def implausible(ns: Sequence[int], seconds: Sequence[float], slack: float = 1.5)
 def machine_key(pair: Pair) -> dict[str, str]:
     """What a cost model depends on: the machine, its CPU or GPU, torch's threads, device, dtype, the pair and
     the matmul kernels its models run."""
-    lm, lean = pair.target, pair.draft.lean if pair.draft is not None else None
+    lm = pair.target
     if lm.device.type == "cuda":
         chip = torch.cuda.get_device_name(lm.device)
     else:
@@ -142,8 +142,7 @@ def machine_key(pair: Pair) -> dict[str, str]:
     return {"node": platform.node(), "chip": chip, "threads": str(torch.get_num_threads()),
             "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
             "target": pair.target_name, "draft": pair.draft_name,
-            "kernels": f"{linear_kinds(lm.model)} / {linear_kinds(pair.draft.model) if pair.draft else '-'}"
-                       + (" / lean draft" if lean else "") + (" (joined)" if lean and any(lean.qkv) else "")}
+            "kernels": f"{lm.cost_key} / {pair.draft.cost_key if pair.draft else '-'}"}
 
 
 def _cpu_model() -> str:

@@ -1,41 +1,25 @@
 """Faster CPU matmuls holding each weight once: prepacked fp32 oneDNN weights for the target, int8 for the draft.
 
-A Linear's cost on the project CPU depends on the kernel far more than on the number of rows. Measured per
-matrix (ms; 8 distinct 1536->8960 weights in turn, so no cache help; 1 / 2 / 5 / 8 / 16 / 100 rows):
-nn.Linear (MKL) 4.5 / 9.2 / 20.7 / 26.3 / 27.5; MKL as W·xᵀ (its tall-skinny GEMM) 3.8 / 3.7 / 4.5 / 6.0 /
-13; oneDNN with W reordered once for batch size 1 (= `to_mkldnn`) 2.4 / 5.3 / 6.9 / 8.0 / 10.3 / 39;
-oneDNN with W reordered for batch size 16: 2.8 / 3.1 / 3.8 / 5.0 / 8.0 / 38 (for 2, 4 or 8 alike). One
-row at 2.4 ms reads the 55 MB at the machine's ~20 GB/s.
-
-`PackedLinear` holds each weight once, in oneDNN's multi-row layout, and releases the fp32 original. A block of
-fewer than MIN_ROWS rows is padded with zero rows to MIN_ROWS: that layout's kernel is slow for 1-4 rows and at its
-best for 5-6 (per matrix, ms, 1 row in the 1-row layout / 1, 4, 5, 6, 16 rows in the 16-row layout: gate/up 2.07 /
-2.62, 2.28, 2.20, 2.41, 2.90; down 1.90 / 2.01, 1.74, 1.65, 1.40, 2.62; q/o 0.32 / 0.37, 0.28, 0.28, 0.26, 0.47;
-lm_head 29.9 / 33.4, 26.3, -, 25.6, 49.3). On the real target, 3 interleaved rounds in one process, 2 prompts x 64
-greedy tokens, decode tok/s: one row through a 1-row layout (the former default, which kept a second copy of every
-weight for it) 4.00 [3.60, 4.52]; the 16-row layout alone, unpadded 3.89 [3.85, 4.22], padded to 6 rows 5.10
-[3.85, 5.15], padded to 5 rows 5.30 [4.76, 5.48]; the same tokens from all four. So one copy is both the fastest
-and the smallest: ~7 GiB for the embedded pair where the two layouts took ~12.
+A Linear's cost on a CPU depends on the kernel far more than on the number of rows (the measurements behind every
+choice here: docs/bench/README.md, "Kernels"). `PackedLinear` holds each weight once, in oneDNN's multi-row layout,
+and releases the fp32 original. A block of fewer than MIN_ROWS rows is padded with zero rows to MIN_ROWS: that
+layout's kernel is slow for 1-4 rows and at its best for 5-6, so one copy is both the fastest and the smallest.
 Every block is fp32 arithmetic of the same weights, equal to nn.Linear up to summation order, and a row's output
 does not depend on the other rows of its block (tests/test_kernels.py), so a padded row is the row alone.
 `pack_linears(model)` swaps every nn.Linear of a CPU fp32 model for one and frees the fp32 weight (a view of the
 mapped safetensors file also gives its pages back); the embedding table stays, the lookup needs it.
 
-The draft only proposes: any draft is lossless because q is whatever it computed. `Int8Linear` runs
-it with per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) through fbgemm's dynamically
-quantized GEMM (activations quantized per call to 7-bit unsigned ints, prepacked weights), which reads
-4x fewer bytes than fp32 and has AVX2 int8 kernels: on the project CPU a 896->4864 draft matrix takes
-0.27 / 0.65 / 1.1 ms for 1 / 4 / 8 rows against 0.84 / 1.3 / 2.5 ms with `aten._weight_int8pack_mm`
-(bf16 activations, the fallback where no fbgemm/x86 quantized engine exists) and ~4x that in fp32.
+The draft only proposes: any draft is lossless because q is whatever it computed. `Int8Linear` runs it with
+per-output-channel int8 weights (W ≈ s·W8, s = max|W_row| / 127) through fbgemm's dynamically quantized GEMM
+(activations quantized per call to 7-bit unsigned ints, prepacked weights), which reads 4x fewer bytes than fp32;
+`aten._weight_int8pack_mm` (bf16 activations) is the fallback where no fbgemm/x86 quantized engine exists.
 
 Rows apart (`scale_rows`, `Int8Linear.scaled`): fbgemm picks the activations' quantization step from the whole
 call's range, so one row's result depends on the rows beside it. Where that matters (a sampled request's draft rows
 stacked with other requests': its q, hence its sample, must follow from its own tokens) each row is divided by its
 own absmax a_i first and two sentinel rows of +1 and -1 join the call: every call then spans exactly [-1, 1], the
-step is the same in every call, and y_i = a_i · (W8 x_i / a_i) is computed from row i alone, bit for bit, at more
-time a draft forward (the scaling ops; embedded draft, project CPU: 32 -> 38 ms at 1 row, 35 -> 48 at 6, 50 -> 65
-at 16). Its error against fp32 is that of per-row quantization (1.5e-2 on a 896->4864 draft matrix; one fbgemm
-call over 16 rows of different scales 2.7e-2).
+step is the same in every call, and y_i = a_i · (W8 x_i / a_i) is computed from row i alone, bit for bit, at the
+cost of the scaling ops. Its error against fp32 is that of per-row quantization.
 
 Neither keeps the fp32 weight, so a packed model can no longer run plain nn.Linear arithmetic: transformers'
 generate (bench/peers.py) loads the untouched models again from disk for its call.

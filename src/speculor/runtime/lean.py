@@ -12,7 +12,7 @@ wires them, one function per stage:
                   x = x + MLP(RMSNorm(x))
     logits = lm_head(RMSNorm(x))                                  [n, V] (or the last row's, [1, V])
 
-Several requests' blocks can share one forward (`LeanDecoder.forward`, as the target's `forward_batch` does): their
+Several requests' blocks can share one forward (`LeanDecoder.forward`, as the target's stacked forward does): their
 rows are stacked for the linear layers, and each block's attention reads its own cache with its own mask.
 Grouped-query attention runs on the key/value heads without copying them: the `rep` query heads that share a
 key/value head are stacked along the query axis (rows r·n + i), with the mask repeated the same way. It is used for
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Segment
 from speculor.runtime.cache import KVCache
 from speculor.runtime.kernels import Int8Linear, apply, scale_rows
 from speculor.runtime.memory import drop_file_pages
@@ -48,18 +48,6 @@ def supports(model: torch.nn.Module) -> bool:
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     return (getattr(config, "model_type", None) in FAMILIES and layer_types == {"full_attention"}
             and hasattr(getattr(model, "model", None), "rotary_emb"))
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Rows [start, stop) of a stacked lean forward belong to `cache`; mask [stop - start, kv] additive (or None:
-    every row sees every entry); last: only the last row's logits are wanted."""
-
-    cache: KVCache
-    start: int
-    stop: int
-    mask: torch.Tensor | None
-    last: bool = False
 
 
 class LeanDecoder:
@@ -89,10 +77,10 @@ class LeanDecoder:
         """(logits [n, V] or [1, V] with last=True, final-norm hidden states [n, H] or None) for tokens [n] at
         positions [n], appended to the cache; mask [n, kv] additive (kv = cache entries after the append), or
         None when every row sees every entry."""
-        (logits,), (h,) = self.forward([Rows(cache, 0, len(tokens), mask, last)], tokens, positions, hidden=hidden)
+        (logits,), (h,) = self.forward([Segment(cache, 0, len(tokens), mask, last)], tokens, positions, hidden=hidden)
         return logits, h
 
-    def forward(self, blocks: Sequence[Rows], tokens: torch.Tensor, positions: torch.Tensor, *, hidden: bool = False,
+    def forward(self, blocks: Sequence[Segment], tokens: torch.Tensor, positions: torch.Tensor, *, hidden: bool = False,
                 apart: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Several requests' blocks in one forward: tokens [R] and positions [R] stacked, block b owning rows
         [start, stop) and attending to its own cache. Per block: its logits (all rows, or the last with
@@ -121,7 +109,7 @@ class LeanDecoder:
         return ([logits[a:e] for a, e in zip([0, *ends[:-1]], ends, strict=True)],
                 [out[b.start:b.stop] if hidden else None for b in blocks])
 
-    def _attend(self, attn: torch.nn.Module, h: Callable, blocks: Sequence[Rows], masks: list[torch.Tensor | None],
+    def _attend(self, attn: torch.nn.Module, h: Callable, blocks: Sequence[Segment], masks: list[torch.Tensor | None],
                 layer: int, cos: torch.Tensor, sin: torch.Tensor, mm: Callable) -> torch.Tensor:
         """Attention of one layer for the stacked input h (rows of every block): writes each block's keys/values
         into its cache; returns [R, H]."""

@@ -11,6 +11,10 @@ it attends to (in index order: the cached prefix, then the row's ancestors, then
 therefore scored in each node's true context, and any mask, position or cache bug in the engine changes the toy's
 output. The toy also asserts that every row's position id equals its context length - 1, so a flat (non-depth)
 position is caught at once.
+
+Also here: the setting of the toy law tests (V, N, PROMPT, T1), toys built from tables (`random_toy`, `first_order`,
+the crafted draft `CRAFTED`, a `perturbed` copy), the exact law of the first n tokens, plain greedy decoding, and
+`Watched`, a drafter wrapper that shows each proposed tree to a test.
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ from transformers.cache_utils import Cache
 
 from speculor.config import SamplingConfig
 from speculor.core.sampling import greedy, warp
+from speculor.drafters.base import Drafter
+
+V = 6  # the toy vocabulary of the law tests (random_toy's default)
+N = 3  # tokens whose joint law is tested (V**N = 216 cells)
+PROMPT = [1, 2]
+T1 = SamplingConfig(temperature=1.0)
 
 
 class ToyConfig(PretrainedConfig):
@@ -121,6 +131,20 @@ def random_toy(v: int = 6, seed: int = 0, scale: float = 1.5, **kwargs) -> ToyLM
     return ToyLM(a, b, b_start, **kwargs)
 
 
+def first_order(q: list[list[float]]) -> ToyLM:
+    """A toy whose next-token law depends on the last token only: q(·|x) = q[x] (B tables zero)."""
+    v = len(q)
+    a = torch.tensor(q, dtype=torch.float64).log()
+    return ToyLM(a, torch.zeros(v, v), torch.zeros(v))
+
+
+# q(·|last token); no two draw values below tie
+CRAFTED = first_order([[0.10, 0.55, 0.35, 0.00],
+                       [0.45, 0.15, 0.40, 0.00],
+                       [0.20, 0.10, 0.30, 0.40],
+                       [0.25, 0.25, 0.25, 0.25]])
+
+
 def perturbed(model: ToyLM, seed: int, noise: float) -> ToyLM:
     """A draft for `model`: the same tables plus normal noise of scale `noise` (0 gives an identical copy)."""
     g = torch.Generator().manual_seed(seed)
@@ -168,7 +192,7 @@ def plain_greedy(model: ToyLM, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-class Watched:
+class Watched(Drafter):
     """A drafter wrapped for a test: proposes through `inner`, then hands each tree to `seen(seq, cfg, tree)` (a
     subclass records or checks it there); everything else is the inner drafter's."""
 
@@ -183,7 +207,7 @@ class Watched:
         self.inner.reset()
 
     def propose(self, seq, cfg, generator):
-        tree = self.inner.propose(seq, cfg, generator)
+        tree = yield from self.inner.propose(seq, cfg, generator)
         self.seen(seq, cfg, tree)
         self.proposals += 1
         return tree

@@ -1,0 +1,34 @@
+"""The batch goodput rule (docs/algorithms.md §11.1): the expected tokens per second of one step, from its target
+rows, its expected tokens and its draft seconds, given this machine's cost curve.
+
+    rate = tokens / (draft_s + t_target(rows))          tokens = Σ_requests (1 + Σ node values), rows = Σ (1 + |tree|)
+
+A draft token is worth making when the step's rate with it beats the rate without: DySpec's draws and depths
+(`drafters/dyspec.worth`), Sequoia's tree for the batch (`SequoiaPlans.for_batch`) and the joint draft rounds
+(`engine/drafting.settle`) all ask this one question. Pure: no model, no state.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Costs(Protocol):
+    """Seconds of a target forward over n rows and of a draft forward over w rows (runtime/cost.CostModel)."""
+
+    def t_target(self, n: int) -> float: ...
+
+    def t_draft(self, w: int) -> float: ...
+
+
+def rate(cost: Costs, tokens: float, rows: int, draft_s: float = 0.0) -> float:
+    """Expected tokens per second of a step of `rows` target rows worth `tokens`, after `draft_s` of drafting."""
+    return tokens / (draft_s + cost.t_target(rows))
+
+
+def others(ledger: object | None, cost: Costs) -> tuple[float, int, float]:
+    """(tokens, rows, draft seconds) the rest of the batch brings to the step (a `BatchLedger`; a request still to
+    propose counts as its root: one row, one token); nothing when drafting alone."""
+    if ledger is None:
+        return 0.0, 0, 0.0
+    return ledger.tokens + ledger.pending, ledger.rows + ledger.pending, ledger.draft_s(cost.t_draft)
