@@ -183,20 +183,17 @@ def rounds(proposals: Sequence[Proposal], apart: bool, joint: bool = True,
     rows) is told each proposal's rows in each round's forward."""
     turns = [_Turn(p) for p in proposals]
     live, rnd = list(turns), 0
-
-    def advance(ts: list[_Turn]) -> list[_Turn]:  # each to its next ask or end; those still live
-        for t in ts:
-            t.advance()
-        return [t for t in live if not t.done]
-
     try:
         while live:
-            live = advance(live)
+            for t in live:  # each to its next ask or its end, in request order
+                t.advance()
+            live = [t for t in live if not t.done]
             while bidding := [t for t in live if isinstance(t.ask, Bid)]:  # a round's bids, settled together
                 answers = settle([t.ask for t in bidding]) if joint else [None] * len(bidding)
                 for t, yes in zip(bidding, answers, strict=True):
                     t.answer = yes
-                live = advance(bidding)
+                    t.advance()
+                live = [t for t in live if not t.done]
             by_model: dict[int, list[_Turn]] = {}
             for t in live:
                 by_model.setdefault(id(t.ask.model), []).append(t)

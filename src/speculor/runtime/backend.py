@@ -64,11 +64,6 @@ class Backend(Protocol):
     @property
     def cost_key(self) -> str: ...
 
-    @property
-    def batches(self) -> bool:
-        """True when blocks of several requests share one forward (so drafting waits to gather them)."""
-        ...
-
 
 def forward1(backend: Backend, cache: KVCache, tokens: torch.Tensor | list[int], parents: torch.Tensor | None = None,
              **flags: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
