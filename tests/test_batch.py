@@ -13,13 +13,14 @@ from support.toy import PROMPT, N, V, exact_law, perturbed
 
 from speculor import SamplingConfig, engine
 from speculor.core.tree import block_parents
-from speculor.drafters.base import BatchLedger, drive
+from speculor.drafters.base import BatchLedger
 from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.drafters.values import worth
 from speculor.engine import batch as batched_engine
+from speculor.engine.drafting import drive
 from speculor.runtime.backend import Block, forward1
 from speculor.runtime.cost import CostModel
 from speculor.runtime.model import Model

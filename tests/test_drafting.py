@@ -13,14 +13,14 @@ from support.batch import PROMPTS, run_batch
 from support.tiny import tiny_model
 
 from speculor import SamplingConfig, engine
-from speculor.drafters.base import BatchLedger, Drafter, Forward, drive
+from speculor.drafters.base import BatchLedger, Drafter, Forward
 from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.drafters.values import worth
 from speculor.engine import drafting
-from speculor.engine.drafting import Book, rounds
+from speculor.engine.drafting import Book, drive, rounds
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Block, forward1
 from speculor.runtime.cost import CostModel

@@ -12,9 +12,9 @@ from support.toy import CRAFTED, T1, N, ToyLM, V, exact_law, plain_greedy, rando
 from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.tree import DraftTree, path_to
-from speculor.drafters.base import drive
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.values import expected_gain, steer, worth
+from speculor.engine.drafting import drive
 from speculor.errors import SpeculorError
 from speculor.runtime.cost import CostModel
 from speculor.runtime.model import Model

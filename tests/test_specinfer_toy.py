@@ -15,10 +15,10 @@ from support.toy import T1, N, ToyLM, exact_law, plain_greedy
 from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.tree import expansion_shape
-from speculor.drafters.base import drive
 from speculor.drafters.merged import MergedDrafter
 from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.static_tree import TreeDrafter
+from speculor.engine.drafting import drive
 from speculor.runtime.model import Model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

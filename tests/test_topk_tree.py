@@ -11,8 +11,8 @@ from support.toy import CRAFTED, T1, exact_law, first_order, plain_greedy
 
 from speculor import engine
 from speculor.config import SamplingConfig
-from speculor.drafters.base import drive
 from speculor.drafters.topk_tree import Pool, TopkOptions, TopkTreeDrafter, rank, select
+from speculor.engine.drafting import drive
 from speculor.errors import SpeculorError
 from speculor.runtime.model import Model
 

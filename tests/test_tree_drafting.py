@@ -14,11 +14,11 @@ from support.toy import Watched
 
 from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engine
 from speculor.core.tree import expansion_shape, path_to
-from speculor.drafters.base import drive
 from speculor.drafters.merged import MergedDrafter
 from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.specinfer import make_specinfer
 from speculor.drafters.static_tree import TreeDrafter
+from speculor.engine.drafting import drive
 from speculor.runtime.backend import forward1
 
 pytestmark = pytest.mark.usefixtures("one_thread")

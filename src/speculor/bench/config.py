@@ -51,17 +51,16 @@ class BenchConfig:
         --quick values (with --quick) or the defaults."""
         given = {k: v for k, v in vars(args).items() if v is not None}
         opts = {**(QUICK if given.get("quick") else DEFAULTS), **given}
-        batch = str(opts["batch"]) if opts.get("batch") else None
         try:
-            sizes = tuple(sorted({int(b) for b in batch.split(",")})) if batch else None
+            batch = tuple(sorted({int(b) for b in str(opts["batch"]).split(",")})) if opts.get("batch") else None
             temps = tuple(float(t) for t in str(opts["temperatures"]).split(","))
         except ValueError as exc:
             raise SpeculorError(f"bad number in --batch or --temperatures: {exc}") from None
-        return BenchConfig(tuple(parse_strategies(opts["strategies"])),
-                           tuple(opts.get("sets", "mtbench,humaneval").split(",")), opts["limit"],
-                           opts["max_new_tokens"], temps, opts.get("top_p", 1.0), opts["rounds"],
-                           opts.get("seed", 1234), opts.get("out"), opts.get("format", "speculor"), sizes,
-                           bool(opts.get("quick", False)))
+        kept = {k: opts[k] for k in ("limit", "max_new_tokens", "top_p", "rounds", "seed", "out", "format", "quick")
+                if k in opts}  # the others keep the defaults above
+        if "sets" in opts:
+            kept["sets"] = tuple(opts["sets"].split(","))
+        return BenchConfig(tuple(parse_strategies(opts["strategies"])), temperatures=temps, batch=batch, **kept)
 
     def meta(self) -> dict[str, Any]:
         """The run's options as summary.json records them."""

@@ -14,8 +14,8 @@ A proposal yields what it needs from the outside world and receives the answer:
     logits = yield Forward(model, Block(cache, rows, parents))      a draft forward: its result
     joint = yield from ledger.round(...)                             a bid for a shared draft round (batch-aware)
 
-so the engine can run one round's draft forwards of many requests as ONE forward (engine/drafting.py), and a
-reader sees every point where a drafter waits for the others. `drive` runs a proposal alone. The shared helpers
+so the engine can run one round's draft forwards of many requests as ONE forward (engine/drafting.py; `drive`
+there runs one alone), and a reader sees every point where a drafter waits for the others. The shared helpers
 (`catch_up`, `feed`, `draw`, `keep_fed_path`, `keep_chain`) live here; the drafters in chain.py, static_tree.py,
 ngram.py, merged.py and one module per strategy. Notation of the papers: q is the draft distribution a token was
 drawn from.
@@ -127,17 +127,6 @@ class Shared:
 
     def drafter(self) -> Drafter:
         return self.make()
-
-
-def drive(proposal: Proposal, apart: bool = False) -> DraftTree:
-    """Run one proposal alone: each forward it asks for made at once, each bid answered None (it decides alone)."""
-    answer = None
-    while True:
-        try:
-            ask = proposal.send(answer)
-        except StopIteration as stop:
-            return stop.value
-        answer = ask.model.forward([ask.block], apart=apart)[0] if isinstance(ask, Forward) else None
 
 
 def behind(cache: KVCache, seq: list[int]) -> int:

@@ -158,10 +158,10 @@ def _proposal(req: Request, book: Book | None, i: int) -> Proposal:
 
 
 class _Turn:
-    """One proposal as the rounds drive it: what it asks for next (`ask`), or its tree once `done`."""
+    """Proposal i as the rounds drive it: what it asks for next (`ask`), or its tree once `done`."""
 
-    def __init__(self, proposal: Proposal) -> None:
-        self.proposal = proposal
+    def __init__(self, i: int, proposal: Proposal) -> None:
+        self.i, self.proposal = i, proposal
         self.answer: Any = None
         self.ask: Forward | Bid | None = None
         self.tree: DraftTree | None = None
@@ -181,7 +181,7 @@ def rounds(proposals: Sequence[Proposal], apart: bool, joint: bool = True,
     """Drive the proposals round by round (module docstring), their forwards of each round batched per model; their
     trees. joint: bids are settled together (else answered None: each decides alone). on_round(round, proposal,
     rows) is told each proposal's rows in each round's forward."""
-    turns = [_Turn(p) for p in proposals]
+    turns = [_Turn(i, p) for i, p in enumerate(proposals)]
     live, rnd = list(turns), 0
     try:
         while live:
@@ -202,9 +202,14 @@ def rounds(proposals: Sequence[Proposal], apart: bool, joint: bool = True,
                 for t, result in zip(group, results, strict=True):
                     t.answer = result
                     if on_round is not None:
-                        on_round(rnd, turns.index(t), len(t.ask.block.tokens))
+                        on_round(rnd, t.i, len(t.ask.block.tokens))
             rnd += 1
     finally:
         for t in turns:
             t.proposal.close()  # a failed step: the others' proposals end where they wait
     return [t.tree for t in turns]
+
+
+def drive(proposal: Proposal, apart: bool = False) -> DraftTree:
+    """One proposal driven alone, a batch of one: its forwards made as it asks, its bids answered None."""
+    return rounds([proposal], apart, joint=False)[0]

@@ -85,19 +85,8 @@ class Model:
 
     def _lean(self, blocks: Sequence[Block], apart: bool) -> list:
         """Every block in ONE lean forward over the stacked rows (attention per request)."""
-        segments, ids, positions, regions, start = [], [], [], [], 0
-        for b in blocks:
-            tokens, region, first = _open(b)
-            mask = attention_mask(region, b.cache.length, self.dtype)[0, 0, first:]  # [n, kv]
-            segments.append(Segment(b.cache, start, start + len(tokens), mask.to(self.device) if mask.any() else None,
-                                    b.last))
-            ids.append(tokens)
-            positions.append(position_ids(region, b.cache.length)[0, first:])
-            regions.append(region)
-            start += len(tokens)
-        logits, hidden = self.lean.forward(segments, torch.cat(ids).to(self.device),
-                                           torch.cat(positions).to(self.device),
-                                           hidden=any(b.hidden for b in blocks), apart=apart)
+        segments, ids, positions, regions = self._stack(blocks, lean=True)
+        logits, hidden = self.lean.forward(segments, ids, positions, hidden=any(b.hidden for b in blocks), apart=apart)
         out = []
         for b, region, lg, h in zip(blocks, regions, logits, hidden, strict=True):
             b.cache.pending = region
@@ -108,24 +97,34 @@ class Model:
     def _stacked(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
         """Several requests' blocks (each its cache's whole pending region) in ONE forward of transformers' model:
         linear layers over the stacked rows, attention per request (runtime/batched.py)."""
-        segments, ids, positions, regions, start = [], [], [], [], 0
-        for b in blocks:
-            tokens, region, _ = _open(b)
-            mask = attention_mask(region, b.cache.length, self.dtype).to(self.device)
-            segments.append(Segment(b.cache, start, start + len(tokens), mask))
-            ids.append(tokens)
-            positions.append(position_ids(region, b.cache.length))
-            regions.append(region)
-            start += len(tokens)
+        segments, ids, positions, regions = self._stack(blocks, lean=False)
         batch = batched.Batch(tuple(segments))
-        out = self.model(input_ids=torch.cat(ids)[None].to(self.device),
-                         position_ids=torch.cat(positions, dim=1).to(self.device),
-                         attention_mask={"full_attention": batch}, past_key_values=batched.BatchWriter(batch),
-                         use_cache=True)
+        out = self.model(input_ids=ids[None], position_ids=positions, attention_mask={"full_attention": batch},
+                         past_key_values=batched.BatchWriter(batch), use_cache=True)
         logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
         for s, region in zip(segments, regions, strict=True):
             s.cache.pending = region
         return [logits[s.start:s.stop] for s in segments]
+
+    def _stack(self, blocks: Sequence[Block],
+               lean: bool) -> tuple[list[Segment], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The blocks' rows stacked: their segments, token ids [R] and positions (on the device), and each cache's
+        new pending region. A lean forward takes masks [n, kv] (None where every row sees every entry) and positions
+        [R]; transformers' model masks [1, 1, n, kv] and positions [1, R]."""
+        segments, ids, positions, regions, start = [], [], [], [], 0
+        for b in blocks:
+            tokens, region, first = _open(b)
+            mask = attention_mask(region, b.cache.length, self.dtype)[:, :, first:]
+            pos = position_ids(region, b.cache.length)[:, first:]
+            if lean:
+                mask, pos = (mask[0, 0] if mask.any() else None), pos[0]
+            segments.append(Segment(b.cache, start, start + len(tokens),
+                                    mask.to(self.device) if mask is not None else None, b.last))
+            ids.append(tokens)
+            positions.append(pos)
+            regions.append(region)
+            start += len(tokens)
+        return segments, torch.cat(ids).to(self.device), torch.cat(positions, dim=-1).to(self.device), regions
 
 
 def _open(b: Block) -> tuple[torch.Tensor, torch.Tensor, int]:
