@@ -49,9 +49,7 @@ class Speculor:
         self.pair, self.strategy, self.options = pair, strategy, options
         self._strategies: dict[tuple[str, str], Strategy | None] = {}
         self.strategy_for(strategy, **options)  # validate now
-        gen_cfg = getattr(pair.target.model, "generation_config", None)
-        ids = getattr(gen_cfg, "eos_token_id", None)
-        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        ids = list(pair.target.eos_ids)
         if pair.tokenizer.eos_token_id is not None:
             ids.append(pair.tokenizer.eos_token_id)
         self.eos_ids = frozenset(ids)

@@ -15,6 +15,12 @@ from speculor.errors import SpeculorError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
     p.add_argument("--draft", default="default", help="draft model: 'default', a folder, a .gguf file, 'none'")
+    p.add_argument("--backend", choices=("auto", "torch", "llama.cpp"), default="torch",
+                   help="what runs the forwards: torch (transformers; the fp32 reference, and the GPU), llama.cpp (the "
+                   "GGUF files on llama.cpp's own quantized kernels), auto (the one this machine's measured cost "
+                   "curves predict fastest, said on stderr). Output is exact against the chosen backend's own plain "
+                   "decoding")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of either backend (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="the models' weights and arithmetic (auto: bfloat16 on cuda, float32 on cpu); greedy output "

@@ -60,7 +60,8 @@ def load_pair_from_args(args: Args):
     fast = kernels == "fast"
     return load_pair(args.target, draft, device=args.device, dtype=getattr(torch, name), packed=fast,
                      draft_int8=fast, draft_vocab=getattr(args, "draft_vocab", None),
-                     offload=getattr(args, "offload", False))
+                     offload=getattr(args, "offload", False), backend=getattr(args, "backend", "torch"),
+                     threads=getattr(args, "threads", None))
 
 
 def cmd_generate(args: Args) -> None:
@@ -215,7 +216,7 @@ def cmd_bench(args: Args) -> None:
     for spec in cfg.strategies:  # refused before the pair is loaded
         if spec.name in PEERS:
             if spec.options:
-                raise SpeculorError(f"{spec.label!r}: the transformers peer {spec.name!r} takes no options")
+                raise SpeculorError(f"{spec.label!r}: the peer {spec.name!r} takes no options")
         else:
             check_options(spec.name, spec.options)
     run(cfg, lambda: load_pair_from_args(args))

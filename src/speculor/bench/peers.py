@@ -1,4 +1,8 @@
-"""transformers' own speculative generation, run as peers in the same benchmark.
+"""The peers a user would pick instead, run in the same benchmark: llama.cpp's own plain decoding of the target's
+GGUF file, and transformers' own speculative generation.
+
+    llama.cpp               llama-cpp-python's high-level `Llama` over the target's GGUF, greedy (or its own
+                            sampler at T > 0), the same threads: what CPU users run (loaded per call, not timed)
 
     hf-assisted             generate(assistant_model=draft)       (assisted generation, same draft, the
                             draft's generation config: transformers' defaults are 20 tokens, constant schedule,
@@ -35,7 +39,7 @@ from speculor.runtime.lean import is_joined
 from speculor.runtime.loading import Pair, load_model
 from speculor.runtime.model import Model
 
-PEERS = ("hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence", "hf-prompt-lookup")
+PEERS = ("llama.cpp", "hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence", "hf-prompt-lookup")
 ASSISTANT_SETTINGS: dict[str, dict[str, Any]] = {
     "hf-assisted": {},
     "hf-assisted-heuristic": {"num_assistant_tokens_schedule": "heuristic", "num_assistant_tokens": 5,
@@ -97,6 +101,37 @@ def _generate(pair: Pair, name: str, ids: torch.Tensor, kwargs: dict) -> tuple[t
         t0 = time.perf_counter()
         out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         return out, time.perf_counter() - t0
+
+
+def peer_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
+                  eos_ids: frozenset[int]) -> tuple[list[int], float]:
+    """(new token ids, wall seconds) of peer `name`."""
+    if name == "llama.cpp":
+        return llama_generate(pair, prompt, cfg, eos_ids)
+    return hf_generate(pair, name, prompt, cfg, eos_ids)
+
+
+def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig,
+                   eos_ids: frozenset[int]) -> tuple[list[int], float]:
+    """(new token ids, wall seconds, prefill included) of llama.cpp's plain decoding of the target's GGUF."""
+    from speculor.runtime.llama import quiet_llama
+    from speculor.runtime.loading import gguf_file
+
+    llm = quiet_llama(gguf_file(pair.target_name), threads=torch.get_num_threads(),
+                      n_ctx=len(prompt) + cfg.max_new_tokens + 8, seed=cfg.seed or 0)
+    sample = ({"temp": 0.0, "top_k": 1} if cfg.greedy else
+              {"temp": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or 0, "min_p": 0.0})
+    out: list[int] = []
+    t0 = time.perf_counter()
+    for tok in llm.generate(prompt, reset=True, repeat_penalty=1.0, **sample):
+        if cfg.stop_on_eos and tok in eos_ids:
+            break
+        out.append(tok)
+        if len(out) == cfg.max_new_tokens:
+            break
+    wall = time.perf_counter() - t0
+    llm.close()
+    return out, wall
 
 
 @torch.inference_mode()

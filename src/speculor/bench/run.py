@@ -28,11 +28,12 @@ from speculor.bench import prompts as prompt_sets
 from speculor.bench.batch import format_batched, run_batched, sampling, summarize_batched
 from speculor.bench.checks import check, start_warnings
 from speculor.bench.config import QUICK_NOTE, BenchConfig
-from speculor.bench.peers import PEERS, hf_generate
+from speculor.bench.peers import PEERS, peer_generate
 from speculor.bench.specs import Spec
 from speculor.bench.summary import cell, format_table, sum_stats, summarize
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
+from speculor.runtime.backend import forward1
 from speculor.runtime.loading import Pair
 from speculor.runtime.memory import peak_memory_gib, reset_peak_memory
 
@@ -42,7 +43,7 @@ __all__ = ["cell", "format_table", "peak_memory_gib", "reset_peak_memory", "run"
 def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> dict[str, Any]:
     """One generation -> a record (tokens, wall time, per-step tree size, draft forwards, acceptance, time split)."""
     if spec.name in PEERS:
-        tokens, wall = hf_generate(sp.pair, spec.name, ids, cfg, sp.eos_ids)
+        tokens, wall = peer_generate(sp.pair, spec.name, ids, cfg, sp.eos_ids)
         return {"token_ids": tokens, "wall_s": wall, "steps": None}
     stats = Stats()
     t0 = time.perf_counter()
@@ -67,7 +68,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 @torch.inference_mode()
 def top2_gap(pair: Pair, prompt: list[int], plain: list[int], pos: int) -> float:
     """Target's top-2 logit gap where plain decoding chose plain[pos] (a near-tie explains a flip)."""
-    logits = pair.target.model(torch.tensor([prompt + plain[:pos]], device=pair.target.device)).logits[0, -1]
+    logits = forward1(pair.target, pair.target.new_cache(), prompt + plain[:pos], last=True)[-1]
     top = torch.topk(logits.float(), 2).values
     return float(top[0] - top[1])
 

@@ -29,6 +29,7 @@ from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Backend
+from speculor.runtime.cost import machine_cost
 from speculor.runtime.loading import Pair
 
 PAPER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's experiments
@@ -111,8 +112,14 @@ def _specinfer_drafter(draft: Backend | None, shape: list[int], depth: int, item
     return subs[0] if len(subs) == 1 else MergedDrafter(subs)
 
 
-def make_ngram(pair: Pair, k: int = 8, n: int = 3, branches: int = 1) -> Shared:
+def make_ngram(pair: Pair, k: int = 8, n: int = 3, branches: int = 1, budget: str | None = None) -> Shared:
     """Builder of the `ngram` strategy: k tokens per continuation, n-grams of n down to 1 tokens, up to
-    `branches` distinct continuations merged into a tree."""
+    `branches` distinct continuations merged into a tree. budget "auto": cut to the length this machine's cost
+    curve says pays (ngram.py); "k": always k. Default: auto on llama.cpp (t(n) grows with n), k on torch."""
+    if budget is None:
+        budget = "auto" if pair.backend == "llama.cpp" else "k"
+    if budget not in ("auto", "k"):
+        raise SpeculorError(f"ngram's budget is 'auto' or 'k', got {budget!r}")
     NgramDrafter(k=k, n=n, branches=branches)  # validates the options
-    return Shared(partial(NgramDrafter, k=k, n=n, branches=branches))
+    cost = machine_cost(pair) if budget == "auto" else None
+    return Shared(partial(NgramDrafter, k=k, n=n, branches=branches, cost=cost))

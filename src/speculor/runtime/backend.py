@@ -4,7 +4,8 @@ Everything above `runtime/` (drafters, engine, serving, bench) talks to a model 
 
     backend.forward(blocks)  -> per block: logits [n, V] (fp32, on the host), or (logits, hidden [n, H])
     backend.new_cache()      -> a request's cache (`keep(rows)` commits pending rows, `trim(n)` forgets from n on)
-    backend.context_length, backend.vocab_size, backend.cost_key (what its measured cost curve depends on)
+    backend.context_length, backend.vocab_size, backend.eos_ids (its end tokens)
+    backend.cost_key (what its measured cost curve depends on)
 
 A `Block` is one request's new rows against that request's cache: tokens with parents inside the block (-1 =
 attends only to the cache), a chain for a prompt, [root] + nodes for a draft tree. One call may carry many
@@ -56,6 +57,7 @@ class Backend(Protocol):
 
     context_length: int
     vocab_size: int
+    eos_ids: frozenset[int]  # the model's own end-of-sequence tokens
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list: ...
 
@@ -69,3 +71,17 @@ def forward1(backend: Backend, cache: KVCache, tokens: torch.Tensor | list[int],
              **flags: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The result of one block: `backend.forward([Block(cache, tokens, parents, **flags)])[0]`."""
     return backend.forward([Block(cache, tokens, parents, **flags)])[0]
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The logits on the host, the last dimension cut or padded (with -inf, i.e. zero probability) to `vocab_size`.
+
+    Verification, sampling and every drafter's choice run on the host, with each request's CPU generator, over this
+    one copy per forward: on a GPU that is one transfer a forward, not a sync for every token read (a no-op on CPU).
+    """
+    v = logits.shape[-1]
+    logits = logits[..., :vocab_size].cpu()
+    if v >= vocab_size:
+        return logits
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

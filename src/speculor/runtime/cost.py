@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from speculor.core.sequoia_dp import feed_widths
-from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir, slug
 from speculor.runtime.backend import forward1
 from speculor.runtime.loading import Pair
@@ -157,13 +156,12 @@ def _cpu_model() -> str:
 
 def profile_cost(pair: Pair, sizes: Sequence[int] = SIZES, *, repeats: int = 3, progress: bool = True) -> CostModel:
     """Time the target on blocks of n tokens and the draft on blocks of w tokens, after a 200-token prefix."""
-    if pair.draft is None:
-        raise SpeculorError("profiling a tree's cost needs a draft model")
     from tqdm import tqdm  # only when profiling: the decoding path imports no progress bar
 
     with tqdm(total=2 * len(sizes) * repeats, desc="profile target+draft", unit="fwd", disable=not progress) as bar:
         t = time_forwards(pair.target, sizes, repeats=repeats, tick=bar.update)
-        d = time_forwards(pair.draft, sizes, repeats=repeats, tick=bar.update)
+        d = ([0.0] * len(sizes) if pair.draft is None  # model-free drafts (n-gram) cost nothing
+             else time_forwards(pair.draft, sizes, repeats=repeats, tick=bar.update))
     if implausible(sizes, t) or implausible(sizes, d):
         logger.warning("sequoia: forward times do not grow with the block size (%s); the machine looks busy: "
                        "run `speculor profile --force` when it is idle", [round(x, 3) for x in t])

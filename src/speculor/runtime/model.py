@@ -20,7 +20,7 @@ import torch
 
 from speculor.core.tree import attention_mask, position_ids
 from speculor.runtime import batched
-from speculor.runtime.backend import Block, Segment
+from speculor.runtime.backend import Block, Segment, fit_vocab
 from speculor.runtime.cache import KVCache
 from speculor.runtime.kernels import linear_kinds
 from speculor.runtime.lean import LeanDecoder
@@ -40,6 +40,8 @@ class Model:
         head = model.get_output_embeddings()  # an nn.Linear, or a packed one without its fp32 weight (kernels.py)
         self.vocab_size = vocab_size or getattr(head, "out_features", None) or head.weight.shape[0]
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = frozenset([ids] if isinstance(ids, int) else ids or [])  # the model's own end tokens
         self.batched = batched.enable(model)  # several requests' blocks in one forward (`_stacked`)
         self.lean = LeanDecoder(model) if lean else None
 
@@ -80,7 +82,7 @@ class Model:
             logits_to_keep=1 if b.last else 0,
         )
         b.cache.pending = region
-        logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
+        logits = fit_vocab(out.logits[0].float(), self.vocab_size)
         return (logits, out.hidden_states[-1][0]) if b.hidden else logits
 
     def _lean(self, blocks: Sequence[Block], apart: bool) -> list:
@@ -90,7 +92,7 @@ class Model:
         out = []
         for b, region, lg, h in zip(blocks, regions, logits, hidden, strict=True):
             b.cache.pending = region
-            lg = _fit_vocab(lg.float(), self.vocab_size)
+            lg = fit_vocab(lg.float(), self.vocab_size)
             out.append((lg, h) if b.hidden else lg)
         return out
 
@@ -101,7 +103,7 @@ class Model:
         batch = batched.Batch(tuple(segments))
         out = self.model(input_ids=ids[None], position_ids=positions, attention_mask={"full_attention": batch},
                          past_key_values=batched.BatchWriter(batch), use_cache=True)
-        logits = _fit_vocab(out.logits[0].float(), self.vocab_size)
+        logits = fit_vocab(out.logits[0].float(), self.vocab_size)
         for s, region in zip(segments, regions, strict=True):
             s.cache.pending = region
         return [logits[s.start:s.stop] for s in segments]
@@ -136,17 +138,3 @@ def _open(b: Block) -> tuple[torch.Tensor, torch.Tensor, int]:
     start, n = len(b.cache.pending), len(tokens)
     parents = torch.arange(start - 1, start + n - 1) if b.parents is None else b.parents
     return tokens, torch.cat([b.cache.pending, torch.as_tensor(parents, dtype=torch.long)]), start
-
-
-def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The logits on the host, the last dimension cut or padded (with -inf, i.e. zero probability) to `vocab_size`.
-
-    Verification, sampling and every drafter's choice run on the host, with each request's CPU generator, over this
-    one copy per forward: on a GPU that is one transfer a forward, not a sync for every token read (a no-op on CPU).
-    """
-    v = logits.shape[-1]
-    logits = logits[..., :vocab_size].cpu()
-    if v >= vocab_size:
-        return logits
-    pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)

@@ -72,8 +72,7 @@ class _Server:
         return self.sp.pair.target.context_length
 
     def check_ids(self, ids: list[int]) -> None:
-        emb = self.sp.pair.target.model.get_input_embeddings()
-        vocab = getattr(emb, "num_embeddings", self.sp.pair.target.vocab_size)
+        vocab = self.sp.pair.target.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
 

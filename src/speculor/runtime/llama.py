@@ -1,0 +1,297 @@
+"""`LlamaModel`: the llama.cpp backend (runtime/backend.py) over llama-cpp-python's low-level API: a GGUF model on
+its own quantized kernels, every request's rows in llama_decode calls on ONE shared context.
+
+A request's cache is a set of sequence ids in the context's unified KV memory. The committed entries carry the
+request's base id; a draft tree's mask is llama.cpp's own sequence mask: every root-to-leaf path is one sequence
+id, a row carries the ids of the paths through it, positions are committed length + depth. A row sees exactly the
+cells of its first id at positions <= its own: its ancestors and the committed prefix. A new path branching off at
+a row p that is already in the memory gets its id by `seq_cp(id(p), new, 0, pos(p) + 1)` (the cells of p's path),
+one branching off inside the block by carrying the id on its in-block ancestors. `keep(path)` compacts to the
+accepted path: the path's cells take the base id (`seq_cp`), every other id of the request is removed.
+
+Exact rows. ggml's CPU kernels give a row different bits in blocks of different sizes (the repacked Q4_K kernels
+multiply 4 rows at a time, one row by a vector kernel; attention differs unless flash attention is on). Rows
+computed in calls of at most `EXACT_ROWS` rows, flash attention on, get the bits a one-row call gives them
+(tests/test_llama.py proves it), so: blocks of at most EXACT_ROWS rows (decoding, verification, drafting) are
+packed into calls of at most EXACT_ROWS rows, whatever the other requests' blocks; a longer block (a prompt or a
+prompt chunk) gets calls of its own. Plain decoding (one row a call) then computes every token exactly as
+verification does, and a request's rows never depend on what shares its batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speculor.errors import SpeculorError
+from speculor.runtime.backend import Block, fit_vocab
+
+EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
+N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
+N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
+MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
+GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def _lib():
+    """llama_cpp, imported on first use (the torch backend never needs it), its logging silenced."""
+    global _initialized
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise SpeculorError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python "
+                            "(it compiles llama.cpp, ~10 minutes), or use --backend torch") from exc
+    with _init_lock:
+        if not _initialized:
+            llama_cpp.llama_backend_init()
+            llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
+            _initialized = True
+    return llama_cpp
+
+
+def _silence(level, text, user_data):  # llama.cpp's log: printed by default, every load and every context
+    return None
+
+
+try:
+    import llama_cpp as _llama_cpp
+
+    _quiet = _llama_cpp.llama_log_callback(_silence)
+except ImportError:
+    _quiet = None
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed."""
+    return _quiet is not None
+
+
+class LlamaModel:
+    """A GGUF model on llama.cpp, shared by every request: the `Backend` of runtime/backend.py."""
+
+    def __init__(self, path: str | Path, *, threads: int, vocab_size: int | None = None, n_ctx: int = 4096) -> None:
+        L = _lib()
+        self.L, self.path, self.threads = L, Path(path), threads
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise SpeculorError(f"llama.cpp could not read {path} (corrupt, or a GGUF this llama.cpp does not "
+                                f"support: llama-cpp-python {L.__version__})")
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, N_BATCH, N_UBATCH, MAX_SEQ
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.kv_unified = True  # one memory for every sequence: a cell may belong to several (tree paths)
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # a row's attention then does not depend on its call
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise SpeculorError(f"llama.cpp could not make a context for {path} (n_ctx={n_ctx}: out of memory?)")
+        self.mem = L.llama_get_memory(self.ctx)
+        vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(vocab)
+        self.eos_ids = frozenset(t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0)
+        self.vocab_size = vocab_size or self.n_vocab
+        self.context_length = n_ctx
+        self.device, self.dtype = torch.device("cpu"), "gguf"  # what the cost profile's key reads
+        self.free_ids = list(range(GRAVE - 1, -1, -1))
+        self.live = 0  # caches not yet released: the graveyard is emptied when none is left
+        self.batch = L.llama_batch_init(N_BATCH, 0, MAX_SEQ)
+        weakref.finalize(self, _free, L, self.model, self.ctx, self.batch)
+
+    def new_cache(self) -> LlamaCache:
+        return LlamaCache(self)
+
+    @property
+    def cost_key(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        self.L.llama_model_desc(self.model, buf, 256)
+        return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} exact{EXACT_ROWS}"
+
+    def vocabulary(self) -> list[bytes]:
+        """Every token's text (to check that a draft shares the target's vocabulary)."""
+        vocab = self.L.llama_model_get_vocab(self.model)
+        return [self.L.llama_vocab_get_text(vocab, i) for i in range(self.n_vocab)]
+
+    def seq_id(self) -> int:
+        if not self.free_ids:
+            raise SpeculorError(f"the llama.cpp context has no free sequence id ({MAX_SEQ}): too many requests "
+                                "or too wide trees at once")
+        return self.free_ids.pop()
+
+    def bury_none(self) -> bool:
+        """Free the graveyard's cells; whether it held any."""
+        had = self.L.llama_memory_seq_pos_max(self.mem, GRAVE) >= 0
+        self.L.llama_memory_seq_rm(self.mem, GRAVE, -1, -1)
+        return had
+
+    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list:
+        """Per block: logits [n, V] (fp32, host), or [1, V] with `last`. Short blocks packed into calls of at most
+        EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always."""
+        if any(b.hidden for b in blocks):
+            raise SpeculorError("the llama.cpp backend gives no hidden states (SpecDec++'s head): use --backend torch")
+        calls: list[list[tuple[int, list, list[bool]]]] = [[]]
+        for i, b in enumerate(blocks):
+            rows = self._rows(b)
+            want = [not b.last or j == len(rows) - 1 for j in range(len(rows))]
+            if b.parents is None and len(rows) > EXACT_ROWS:  # a prompt (chunk): calls of its own
+                calls += [[(i, rows[j:j + N_BATCH], want[j:j + N_BATCH])] for j in range(0, len(rows), N_BATCH)]
+                calls.append([])
+                continue
+            for j in range(0, len(rows), EXACT_ROWS):  # a tree: EXACT_ROWS rows a call at most, ancestors first
+                part = (i, rows[j:j + EXACT_ROWS], want[j:j + EXACT_ROWS])
+                if sum(len(r) for _, r, _ in calls[-1]) + len(part[1]) > EXACT_ROWS:
+                    calls.append([])
+                calls[-1].append(part)
+        out: list[list[np.ndarray]] = [[] for _ in blocks]
+        for call in calls:
+            if call:
+                self._decode(call, out)
+        return [fit_vocab(torch.from_numpy(np.stack(x)), self.vocab_size) for x in out]
+
+    def _rows(self, b: Block) -> list[tuple[int, int, list[int]]]:
+        """The block's rows as (token, position, sequence ids), its cache's pending bookkeeping updated."""
+        c = b.cache
+        if not b.append:
+            c.trim(c.length)
+        tokens = [int(t) for t in (b.tokens.tolist() if torch.is_tensor(b.tokens) else b.tokens)]
+        start = len(c.parents)
+        parents = (list(range(start - 1, start + len(tokens) - 1)) if b.parents is None
+                   else [int(p) for p in torch.as_tensor(b.parents).tolist()])
+        ids: list[list[int]] = []
+        for i, p in enumerate(parents):
+            assert -1 <= p < start + i, "a row's parent comes before it"
+            c.parents.append(p)
+            c.depth.append(0 if p < 0 else c.depth[p] + 1)
+            if not c.branched(p):  # the first child continues its parent's path
+                own = c.base if p < 0 else c.own[p]
+            else:  # another path: its id on the in-block ancestors, copied onto the cells of the rest
+                own = c.new_id()
+                a = p
+                while a >= start:
+                    ids[a - start].append(own)
+                    a = c.parents[a]
+                src, upto = (c.base, c.length) if a < 0 else (c.own[a], c.length + c.depth[a] + 1)
+                self.L.llama_memory_seq_cp(self.mem, src, own, 0, upto)
+            c.own.append(own)
+            ids.append([own])
+        c.pending = torch.tensor(c.parents, dtype=torch.long)
+        return [(t, c.length + c.depth[start + i], ids[i]) for i, t in enumerate(tokens)]
+
+    def _decode(self, call: list[tuple[int, list, list[bool]]], out: list[list[np.ndarray]]) -> None:
+        """One llama_decode over the call's rows; the wanted rows' logits appended to out[block]."""
+        L, b, k = self.L, self.batch, 0
+        for _, rows, want in call:
+            for (tok, pos, ids), w in zip(rows, want, strict=True):
+                b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, len(ids), w
+                for m, s in enumerate(ids):
+                    b.seq_id[k][m] = s
+                k += 1
+        b.n_tokens = k
+        rc = L.llama_decode(self.ctx, b)
+        if rc == 1 and self.bury_none():  # full: the graveyard's cells freed (the order is then not guaranteed)
+            rc = L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise SpeculorError(f"llama_decode failed (code {rc}: "
+                                f"{'no room in the KV memory' if rc == 1 else 'error'}; context {self.context_length})")
+        k = 0
+        for i, _, want in call:
+            for w in want:
+                if w:
+                    out[i].append(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, k), shape=(self.n_vocab,))
+                                  .copy())
+                k += 1
+
+
+class LlamaCache:
+    """One request's entries in a `LlamaModel`'s memory (module docstring), with KVCache's interface: `length`
+    committed entries, `pending` (the parents of the pending rows), `keep(rows)`, `trim(n)`."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model, self.mem, self.L = model, model.mem, model.L
+        self.base = model.seq_id()
+        self.length = 0
+        self.parents: list[int] = []  # pending rows: parent (region index, -1 = the committed tip)
+        self.depth: list[int] = []  # ... depth below the committed tip (0 = a child of it)
+        self.own: list[int] = []  # ... the id of the row's own path
+        self.extra: list[int] = []  # ids of this request's other paths
+        self.pending = torch.zeros(0, dtype=torch.long)
+        model.live += 1
+        weakref.finalize(self, _release, model, [self.base], self.extra)
+
+    def new_id(self) -> int:
+        s = self.model.seq_id()
+        self.extra.append(s)
+        return s
+
+    def forget(self, s: int, p0: int) -> None:
+        """Remove id s from the cells at positions >= p0; they stay occupied, by the graveyard."""
+        self.L.llama_memory_seq_cp(self.mem, s, GRAVE, p0, -1)
+        self.L.llama_memory_seq_rm(self.mem, s, p0, -1)
+
+    def branched(self, p: int) -> bool:
+        """Whether a path already continues from row p (or from the committed tip, p = -1)."""
+        own = self.base if p < 0 else self.own[p]
+        return any(self.parents[r] == p and self.own[r] == own for r in range(len(self.parents) - 1))
+
+    def keep(self, rows: list[int]) -> None:
+        """Commit the pending rows `rows` (a path down from the committed tip, ascending); drop the rest."""
+        if rows:
+            assert all(self.parents[r] == q for q, r in zip([-1] + rows[:-1], rows, strict=True)), \
+                "the rows kept form a path from the committed tip"
+            own, end = self.own[rows[-1]], self.length + len(rows)
+            if own != self.base:
+                self.forget(self.base, self.length)
+                self.L.llama_memory_seq_cp(self.mem, own, self.base, self.length, end)
+            self.length = end
+        self.trim(self.length)
+
+    def trim(self, n: int) -> None:
+        """Forget every entry from slot n on (pending rows included: only a chain's may be partly kept)."""
+        if n >= self.length + len(self.parents):
+            return
+        keep = max(n - self.length, 0)  # pending rows kept
+        chain = self.parents[:keep] == list(range(-1, keep - 1)) and set(self.own[:keep]) <= {self.base}
+        assert chain, "only a chain's pending rows are partly kept"
+        self.forget(self.base, n)
+        for s in self.extra:
+            self.forget(s, -1)
+        self.model.free_ids.extend(self.extra)
+        self.extra.clear()
+        del self.parents[keep:], self.depth[keep:], self.own[keep:]
+        self.length = min(self.length, n)
+        self.pending = torch.tensor(self.parents, dtype=torch.long)
+
+
+def quiet_llama(path: str | Path, *, threads: int, n_ctx: int, seed: int = 0):
+    """llama-cpp-python's high-level `Llama` over a GGUF file, as a user starts it (its own defaults), quiet."""
+    L = _lib()
+    return L.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, seed=seed,
+                   verbose=False)
+
+
+def _release(model: LlamaModel, base: list[int], extra: list[int]) -> None:
+    """A finished request's ids back to the model, its cells to the graveyard (freed when no request is left)."""
+    for s in base + extra:
+        model.L.llama_memory_seq_cp(model.mem, s, GRAVE, -1, -1)
+        model.L.llama_memory_seq_rm(model.mem, s, -1, -1)
+    model.free_ids.extend(base + extra)
+    model.live -= 1
+    if model.live == 0:
+        model.bury_none()
+
+
+def _free(L, model, ctx, batch) -> None:
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+
+

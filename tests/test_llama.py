@@ -1,0 +1,185 @@
+"""The llama.cpp backend (runtime/llama.py) on the embedded GGUF pair: a tree verified in one forward equals each
+path decoded alone, bit for bit; compaction keeps exactly the accepted path; rows packed with other requests' rows
+equal the same rows alone; speculative decoding equals this backend's plain decoding at T = 0 and has its
+distribution under sampling (chi-square through the engine); negative controls for the row limit and the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculor import SamplingConfig, Speculor
+from speculor.engine import batch as batched_engine
+from speculor.errors import SpeculorError
+from speculor.runtime import llama
+from speculor.runtime.backend import Block, forward1
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13, 576]
+# a tree below the root: a, b; a's children c, d; b's child e (region parents; the root is row 0)
+TREE = [100, 200, 300, 400, 500]
+PARENTS = [-1, 0, 0, 1, 1, 2]
+PATHS = {1: [100], 2: [200], 3: [100, 300], 4: [100, 400], 5: [200, 500]}
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    from speculor import load_pair
+
+    return load_pair(backend="llama.cpp", threads=2)
+
+
+@pytest.fixture(scope="module")
+def draft(llama_pair):
+    """The 0.5B GGUF: the cheaper model for the tests of the backend's own mechanics."""
+    return llama_pair.draft
+
+
+def prefilled(model, tokens):
+    cache = model.new_cache()
+    forward1(model, cache, tokens)
+    cache.keep(list(range(len(tokens))))
+    return cache
+
+
+PREFIX = len(PROMPT) - 1
+
+
+def alone(model, seq, prefix=PREFIX):
+    """The last row's logits of seq, decoded one token a call after its prefix."""
+    cache = prefilled(model, seq[:prefix])
+    for t in seq[prefix:]:
+        logits = forward1(model, cache, [t])[0]
+        cache.keep([0])
+    return logits
+
+
+def tree_logits(model):
+    cache = prefilled(model, PROMPT[:-1])
+    return cache, forward1(model, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))
+
+
+def test_tree_in_one_forward_equals_each_path_alone(draft):
+    _, logits = tree_logits(draft)
+    assert torch.equal(logits[0], alone(draft, PROMPT))
+    for row, path in PATHS.items():
+        assert torch.equal(logits[row], alone(draft, PROMPT + path)), path
+
+
+def test_rows_past_the_limit_in_one_call_differ(draft, monkeypatch):
+    """Negative control: the whole tree in one llama_decode call (6 rows) does not give the one-row bits."""
+    monkeypatch.setattr(llama, "EXACT_ROWS", 8)
+    _, logits = tree_logits(draft)
+    assert any(not torch.equal(logits[row], alone(draft, PROMPT + path)) for row, path in PATHS.items())
+
+
+def test_a_tree_grown_by_depth_equals_the_tree_at_once(draft):
+    _, whole = tree_logits(draft)
+    cache = prefilled(draft, PROMPT[:-1])
+    first = forward1(draft, cache, [PROMPT[-1]])
+    second = draft.forward([Block(cache, TREE[:2], torch.tensor([0, 0]), append=True)])[0]
+    third = draft.forward([Block(cache, TREE[2:], torch.tensor([1, 1, 2]), append=True)])[0]
+    assert torch.equal(torch.cat([first, second, third]), whole)
+
+
+@pytest.mark.parametrize("kept", [[0, 1, 4], [0, 2, 5], [0, 1], [0]])
+def test_compaction_keeps_exactly_the_accepted_path(draft, kept):
+    cache, _ = tree_logits(draft)
+    free = len(draft.free_ids)
+    cache.keep(kept)
+    accepted = [([PROMPT[-1]] + TREE)[r] for r in kept]
+    assert cache.length == len(PROMPT) - 1 + len(kept) and len(cache.pending) == 0
+    assert len(draft.free_ids) >= free  # the other paths' ids are back
+    mem = draft.mem
+    assert llama._lib().llama_memory_seq_pos_max(mem, cache.base) == cache.length - 1
+    nxt = forward1(draft, cache, [7])[0]
+    assert torch.equal(nxt, alone(draft, PROMPT[:-1] + accepted + [7]))
+
+
+def test_rows_beside_other_requests_equal_the_rows_alone(draft):
+    a, b = prefilled(draft, PROMPT[:-1]), prefilled(draft, PROMPT[3:-1])
+    ra, rb = draft.forward([Block(a, [PROMPT[-1], 100]), Block(b, [PROMPT[-1], 200, 300], torch.tensor([-1, 0, 0]))])
+    assert torch.equal(ra[1], alone(draft, PROMPT + [100]))
+    assert torch.equal(rb[2], alone(draft, PROMPT[3:] + [300], prefix=PREFIX - 3))
+
+
+def test_trim_of_a_chain_keeps_its_first_rows(draft):
+    cache = prefilled(draft, PROMPT[:-1])
+    forward1(draft, cache, [PROMPT[-1], 100, 200])  # a chain of at most EXACT_ROWS rows: one-row bits
+    cache.trim(len(PROMPT) + 1)  # the root and 100 stay pending
+    cache.keep([0, 1])
+    assert torch.equal(forward1(draft, cache, [9])[0], alone(draft, PROMPT + [100, 9]))
+
+
+@pytest.fixture(scope="module")
+def sp(llama_pair):
+    return Speculor(llama_pair, strategy="plain")
+
+
+CASES = ["Write a Python function that returns the n-th Fibonacci number.",
+         "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden."]
+
+
+@pytest.mark.parametrize("strategy, options", [("chain", {"k": 2}), ("ngram", {"budget": "k", "k": 4}),
+                                               ("dyspec", {"budget": 4}), ("dyspec", {"budget": "auto"})])
+def test_speculative_equals_plain_at_t0(sp, strategy, options):
+    cfg = SamplingConfig(max_new_tokens=40)
+    for text in CASES:
+        ids = sp.encode(text, chat=True)
+        plain = sp.generate(ids, cfg, strategy="plain").token_ids
+        assert sp.generate(ids, cfg, strategy=strategy, **options).token_ids == plain, (strategy, text)
+
+
+def test_batched_equals_alone(sp):
+    prompts = [sp.encode(t, chat=True) for t in CASES + ["Name three prime numbers."]]
+    cfgs = [SamplingConfig(max_new_tokens=24), SamplingConfig(max_new_tokens=24, temperature=0.8, seed=3),
+            SamplingConfig(max_new_tokens=24, temperature=0.8, seed=5)]
+    strategy = sp.strategy_for("chain", k=2)
+    alone_ids = [sp.generate(p, c, strategy="chain", k=2).token_ids for p, c in zip(prompts, cfgs, strict=True)]
+    got: list[list[int]] = [[] for _ in prompts]
+    entries = [(strategy.drafter(), p, c) for p, c in zip(prompts, cfgs, strict=True)]
+    for i, toks in batched_engine.generate(sp.pair.target, entries, sp.eos_ids):
+        got[i].extend(t.id for t in toks)
+    assert got == alone_ids
+
+
+def test_sampling_is_the_targets_law(sp, llama_pair):
+    """The first token of chain:k=2 at T = 1.5, top-k 6, over 240 seeds: chi-square against the target's own law on
+    this backend (p > 1e-3); the draft's law is rejected (the test can fail)."""
+    from scipy.stats import chisquare
+
+    ids = sp.encode("Pick a random word:", chat=False)
+    cfg = dict(max_new_tokens=1, temperature=1.5, top_k=6, stop_on_eos=False)
+    law = {}
+    top = None
+    for name, model in (("target", llama_pair.target), ("draft", llama_pair.draft)):
+        logits = forward1(model, model.new_cache(), ids, last=True)[-1] / 1.5
+        top = torch.topk(logits, 6).indices if top is None else top  # the target's six tokens, both laws on them
+        law[name] = dict(zip(top.tolist(), torch.softmax(logits[top], -1).tolist(), strict=True))
+    counts = dict.fromkeys(law["target"], 0)
+    for seed in range(240):
+        tok = sp.generate(ids, SamplingConfig(seed=seed, **cfg), strategy="chain", k=2).token_ids[0]
+        assert tok in counts
+        counts[tok] += 1
+    obs = [counts[t] for t in law["target"]]
+    assert chisquare(obs, [240 * p for p in law["target"].values()]).pvalue > 1e-3
+    assert chisquare(obs, [240 * law["draft"][t] for t in law["target"]]).pvalue < 1e-3
+
+
+def test_a_corrupt_gguf_is_refused(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(SpeculorError, match="could not read"):
+        llama.LlamaModel(bad, threads=1)
+
+
+def test_the_torch_only_options_are_refused_on_llama_cpp():
+    from speculor import load_pair
+
+    with pytest.raises(SpeculorError, match="--draft-vocab"):
+        load_pair(backend="llama.cpp", draft_vocab=1024)
+    with pytest.raises(SpeculorError, match="GGUF"):
+        from speculor.runtime.loading import gguf_file
+
+        gguf_file("/nonexistent/folder")
