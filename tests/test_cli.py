@@ -154,7 +154,7 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
 
 @pytest.mark.parametrize("strategies, message", [
     ("plain,chain:depth=2", "strategy 'chain' takes no option 'depth' (its options: k)"),
-    ("hf-assisted:k=2", "'hf-assisted:k=2': the transformers peer 'hf-assisted' takes no options"),
+    ("hf-assisted:k=2", "'hf-assisted:k=2': the peer 'hf-assisted' takes no options"),
     ("nope", "unknown strategy 'nope'"),
 ])
 def test_bench_refuses_bad_strategies_before_loading(strategies, message, no_pair, capsys) -> None:

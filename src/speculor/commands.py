@@ -21,7 +21,7 @@ Args = Any  # the argparse.Namespace of the command
 STRATEGIES = ("plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd")
 TAKEN_BY = {
     "k": ("chain", "ngram", "topk-tree", "gsd"),
-    "budget": ("sequoia", "dyspec", "topk-tree", "gsd"),
+    "budget": ("sequoia", "ngram", "dyspec", "topk-tree", "gsd"),
     "depth": ("sequoia", "dyspec", "topk-tree", "gsd"),
     "width": ("sequoia",),
     "acc": ("sequoia",),
@@ -251,25 +251,58 @@ def cmd_calibrate(args: Args) -> None:
 
 
 def cmd_profile(args: Args) -> None:
+    """t(n) for n = 1..16 of each backend (--backend auto: every candidate), the ceiling a free drafter could give
+    with the measured acceptance, and the Sequoia tree the curve picks."""
+    import gc
+
+    from speculor.runtime.choice import candidates
+
+    if args.backend != "auto":
+        _profile_one(args, args.backend)
+        return
+    target, draft = (embedded_name(args.target, "target"), embedded_name(args.draft, "draft"))
+    for name in candidates(target, draft, args.device):
+        _profile_one(args, name)
+        gc.collect()
+
+
+def embedded_name(spec: str, role: str) -> str:
+    from speculor.runtime import embedded
+
+    return (embedded.DEFAULT_TARGET if role == "target" else embedded.DEFAULT_DRAFT) if spec == "default" else spec
+
+
+def _profile_one(args: Args, backend: str) -> None:
     from speculor.config import SamplingConfig
     from speculor.core.sequoia_dp import level_widths
     from speculor.drafters.sequoia import SequoiaOptions, plan_tree, resolve_acc
+    from speculor.runtime.choice import predicted
     from speculor.runtime.cost import CostModel, cost_path, profile_cost
 
+    args.backend = backend
     pair = load_pair_from_args(args)
     path = cost_path(pair)
     if args.force or not path.exists():
         profile_cost(pair, repeats=args.repeats).save(path)
     cost = CostModel.load(path)
-    print(f"cost model: {path}")
+    t1 = cost.t_target(1)
+    print(f"backend {pair.backend}: cost model {path}")
     print("  n   target_s  t(n)/t(1)  draft_s  d(n)/d(1)")
-    for n, t, d in zip(cost.target_n, cost.target_s, cost.draft_s, strict=False):
-        print(f"{n:4d}  {t:8.3f}  {t / cost.target_s[0]:8.2f}  {d:8.3f}  {d / cost.draft_s[0]:8.2f}")
+    for n in range(1, 17):
+        t, d = cost.t_target(n), cost.t_draft(n)
+        print(f"{n:4d}  {t:8.3f}  {t / t1:8.2f}  {d:8.3f}  {d / max(cost.t_draft(1), 1e-12):8.2f}")
+    ceiling = max(n * t1 / cost.t_target(n) for n in range(1, 17))
+    print(f"ceiling: a free drafter always right gives at most {ceiling:.2f}x plain decoding "
+          f"({1 / t1:.2f} tokens/s plain)")
     opts = SequoiaOptions("auto", args.depth, args.width)
     for temp in (float(t) for t in args.temperatures.split(",")):
         acc, source = resolve_acc(None, pair.target_name, pair.draft_name, SamplingConfig(temperature=temp))
+        free = max((sum(acc[0]**i for i in range(k + 1)) * t1 / cost.t_target(k + 1), k) for k in range(9))
+        rate, k = predicted(cost, acc[0])
+        print(f"T={temp:g} (acc: {source}): a free chain drafter with top-1 acceptance {acc[0]:.2f}: at most "
+              f"{free[0]:.2f}x (k={free[1]}); this draft's chain: {rate * t1:.2f}x (k={k})")
         c = plan_tree(acc, opts, cost)[2]
-        print(f"T={temp:g} (acc: {source}): n = {c.n} nodes with the root, {c.d} levels, widths "
+        print(f"  sequoia: n = {c.n} nodes with the root, {c.d} levels, widths "
               f"{level_widths(c.shape)}, F = {c.expected_tokens:.2f} tokens/step, {c.step_s:.3f} s/step, "
-              f"{c.tokens_per_s:.2f} tokens/s predicted (plain {1 / cost.t_target(1):.2f})")
-        print(f"  shape = {list(c.shape)}")
+              f"{c.tokens_per_s:.2f} tokens/s predicted (plain {1 / t1:.2f})")
+        print(f"    shape = {list(c.shape)}")

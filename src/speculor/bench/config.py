@@ -13,9 +13,9 @@ ALL = "plain,chain:k=4,specinfer,sequoia:budget=auto,ngram,dyspec:budget=auto,to
 # the realistic default: >= 8 prompts of the sets' categories, 128 new tokens, 3 rounds
 DEFAULTS = {"strategies": "plain,chain:k=4,dyspec:budget=auto", "limit": 8, "max_new_tokens": 128,
             "temperatures": "0", "rounds": 3}
-# --quick: one MT-Bench and one HumanEval prompt, one round, so that every strategy and both peers fit in ~10 minutes
-QUICK = {"strategies": ALL + ",hf-assisted,hf-prompt-lookup", "limit": 2, "max_new_tokens": 32, "temperatures": "0",
-         "rounds": 1}
+# --quick: one MT-Bench and one HumanEval prompt, one round, so that every strategy and the peers fit in ~10 minutes
+QUICK = {"strategies": ALL + ",llama.cpp,hf-assisted,hf-prompt-lookup", "limit": 2, "max_new_tokens": 32,
+         "temperatures": "0", "rounds": 1}
 QUICK_NOTE = ("--quick decodes 2 prompts x 32 tokens in one round: prefill weighs 20-25% there and one noisy moment "
               "moves a ratio by 10% or more; its ratios are indicative only (realistic runs: --limit 8 "
               "--max-new-tokens 128 --rounds 3)")

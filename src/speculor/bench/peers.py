@@ -138,6 +138,9 @@ def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig,
 def hf_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
                 eos_ids: frozenset[int]) -> tuple[list[int], float]:
     """(new token ids, wall seconds) of transformers' generate with the peer's option."""
+    if pair.backend != "torch":
+        raise SpeculorError(f"the transformers peer {name!r} runs the models in transformers: use --backend torch "
+                            "(the llama.cpp peer runs beside either backend)")
     kwargs: dict = {"max_new_tokens": cfg.max_new_tokens, "do_sample": not cfg.greedy}
     if name in ASSISTANT_SETTINGS:
         if pair.draft is None:

@@ -1,5 +1,6 @@
-"""Prompt sets shipped in PyPI packages: MT-Bench (first turns, chat), HumanEval (code completion) and
-a fixed-seed sample of ShareGPT first human turns (chat).
+"""Prompt sets shipped in PyPI packages: MT-Bench (first turns, chat), HumanEval (code completion), a fixed-seed
+sample of ShareGPT first human turns (chat), and two copy-heavy sets made from them (chat): `code-edit` (a
+HumanEval solution to return with one edit) and `summarize` (a long ShareGPT turn to summarize with quotes).
 
 `load(sets, limit)` returns prompts spread evenly over the sets and, for MT-Bench, over its categories.
 """
@@ -80,7 +81,31 @@ def _sharegpt() -> list[Prompt]:
     return random.Random(SHAREGPT_SEED).sample(turns, min(SHAREGPT_SAMPLE, len(turns)))
 
 
-LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval, "sharegpt": _sharegpt}
+EDITS = ("Add type hints to this Python function and return the whole function, otherwise unchanged.",
+         "Rename the function's first parameter to `data` everywhere and return the whole function.",
+         "Add a comment above every line of this function that explains it; return the whole function.")
+
+
+def _code_edit() -> list[Prompt]:
+    """Code editing: a HumanEval task's prompt + canonical solution, to be returned with one edit (the answer
+    copies most of its context: where prompt lookup pays)."""
+    with package_file(*SOURCES["humaneval"]) as f:
+        rows = [json.loads(line) for line in gzip.decompress(f.read()).decode().splitlines() if line.strip()]
+    return [Prompt(f"code-edit/{r['task_id']}", "code-edit", "edit",
+                   f"{EDITS[i % len(EDITS)]}\n\n```python\n{r['prompt']}{r['canonical_solution']}```", True)
+            for i, r in enumerate(rows)]
+
+
+def _summarize() -> list[Prompt]:
+    """Summarization: a ShareGPT first turn of 800-2000 characters, to summarize quoting its key sentences."""
+    out = [Prompt(f"summarize/{p.id.removeprefix('sharegpt/')}", "summarize", "summarize",
+                  "Summarize the following text in a few bullet points, quoting its key sentences word for "
+                  f"word:\n\n{p.text}", True) for p in _sharegpt() if len(p.text) >= 800]
+    return out
+
+
+LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval, "sharegpt": _sharegpt, "code-edit": _code_edit,
+           "summarize": _summarize}
 
 
 def _round_robin(groups: list[list[Prompt]]) -> list[Prompt]:

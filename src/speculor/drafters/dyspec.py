@@ -143,12 +143,12 @@ class DySpecDrafter(BatchAware):
         self.t = self.opts.t
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
-        self.skipped = self.auto and not (yield from self._speculation_pays(seq, cfg))
+        self.skipped = self.auto and (not self.can_pay if self.ledger is None
+                                      else not (yield from self._speculation_pays(seq, cfg)))
         if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
             self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
             self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
             self.estimate = (1, 1.0)  # no tree is its last tree: the batch counts it as its root from now on
-            self.first_rate = 0.9 * self.first_rate + 0.1 * FIRST_RATE  # untried: back toward the prior
             if self.ledger is not None:
                 self.ledger.publish(*self.estimate)
             return EMPTY
@@ -179,12 +179,19 @@ class DySpecDrafter(BatchAware):
         if self.auto:
             self.first_rate = 0.9 * self.first_rate + 0.1 * bool(verdict.path)
 
+    @property
+    def can_pay(self) -> bool:
+        """Alone: could a chain of k <= depth draft tokens pay even if every one were accepted,
+        (k + 1) / (k t_draft(1) + t_target(k + 1)) > 1 / t_target(1)? Where a draft forward costs a good part of a
+        target step and rows are not free (the 0.5B draft on llama.cpp), none can: the request decodes plainly."""
+        c = self.cost
+        return any((k + 1) / (k * c.t_draft(1) + c.t_target(k + 1)) > 1 / c.t_target(1)
+                   for k in range(1, self.opts.depth + 1))
+
     def _speculation_pays(self, seq: list[int], cfg: SamplingConfig) -> Generator[Any, Any, bool]:
-        """Is a first draft token worth its row (and, in a batch, its share of the step), at the rate first tokens
-        were accepted so far? Its catch-up (the whole prompt at first) is charged over the steps left (§11.1). Never
-        beside a prompt chunk. Where a draft forward costs a good part of a target step (a 0.5B draft on llama.cpp:
-        half), it never is: the request decodes plainly."""
-        if self.ledger is not None and self.ledger.filling:
+        """In a batch: is a first draft token worth its row, at the rate first tokens were accepted so far? Its
+        catch-up (the whole prompt at first) is charged over the steps left (§11.1). Never beside a prompt chunk."""
+        if self.ledger.filling:
             return False
         self.first_len = self.first_len or len(seq)
         left = max(cfg.max_new_tokens - (len(seq) - self.first_len + 1), 1)  # tokens still to generate

@@ -2,8 +2,8 @@
 
 For each candidate (torch, and llama.cpp where the pair is GGUF, the device a CPU and llama-cpp-python installed)
 the pair is loaded once and its cost curve measured (runtime/cost.py, cached). The prediction is the best chain
-of k = 0..8 draft tokens under the pair's measured top-1 acceptance a (the pair's Sequoia calibration at T = 0, else
-the built-in one of the embedded pair):
+of k = 0..8 draft tokens under the pair's measured top-1 acceptance a (`acceptance`: the built-in Sequoia calibration
+at T = 0):
 
     tokens/s(k) = (1 + a + ... + a^k) / (t_target(k + 1) + k t_draft(1)),   k = 0: plain decoding
 
@@ -16,6 +16,7 @@ import gc
 import json
 import platform
 import sys
+from importlib import resources
 
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
@@ -33,6 +34,14 @@ def predicted(cost, a: float) -> tuple[float, int]:
     return best
 
 
+def acceptance(target: str, draft: str) -> float:
+    """Top-1 acceptance at T = 0: the built-in Sequoia calibration of this pair, else of the embedded pair."""
+    cals = json.loads(resources.files("speculor").joinpath("data/sequoia_acc.json").read_text())["calibrations"]
+    greedy = [c for c in cals if c["temperature"] == 0]
+    cal = next((c for c in greedy if (c["target"], c["draft"]) == (target, draft)), greedy[0])
+    return cal["counts"][0] / cal["steps"]
+
+
 def candidates(target: str, draft: str | None, device: str) -> list[str]:
     from speculor.runtime import llama
 
@@ -42,8 +51,6 @@ def candidates(target: str, draft: str | None, device: str) -> list[str]:
 
 def choose(target: str, draft: str | None, *, device: str, threads: int) -> str:
     """The backend predicted fastest (module docstring); measured once per machine, threads and pair."""
-    from speculor.config import SamplingConfig
-    from speculor.drafters.sequoia import resolve_acc
     from speculor.runtime.cost import machine_cost
     from speculor.runtime.loading import load_pair
 
@@ -56,7 +63,7 @@ def choose(target: str, draft: str | None, *, device: str, threads: int) -> str:
     if path.exists():
         record = json.loads(path.read_text())
     else:
-        a = resolve_acc(None, target, draft, SamplingConfig())[0][0]
+        a = acceptance(target, draft)
         record = {"acceptance": a, "predicted": {}}
         for name in names:
             pair = load_pair(target, draft, device=device, backend=name, threads=threads)

@@ -9,13 +9,17 @@ a row p that is already in the memory gets its id by `seq_cp(id(p), new, 0, pos(
 one branching off inside the block by carrying the id on its in-block ancestors. `keep(path)` compacts to the
 accepted path: the path's cells take the base id (`seq_cp`), every other id of the request is removed.
 
-Exact rows. ggml's CPU kernels give a row different bits in blocks of different sizes (the repacked Q4_K kernels
-multiply 4 rows at a time, one row by a vector kernel; attention differs unless flash attention is on). Rows
-computed in calls of at most `EXACT_ROWS` rows, flash attention on, get the bits a one-row call gives them
-(tests/test_llama.py proves it), so: blocks of at most EXACT_ROWS rows (decoding, verification, drafting) are
-packed into calls of at most EXACT_ROWS rows, whatever the other requests' blocks; a longer block (a prompt or a
-prompt chunk) gets calls of its own. Plain decoding (one row a call) then computes every token exactly as
-verification does, and a request's rows never depend on what shares its batch.
+Same bits as plain decoding, in two parts:
+- the rows: ggml's CPU kernels give a row different bits in calls of different sizes (the repacked Q4_K kernels
+  multiply 4 rows at a time, 1 to 3 rows by a vector kernel; attention differs unless flash attention is on). A
+  row computed in a call of at most EXACT_ROWS rows, flash attention on, gets the bits of a one-row call
+  (tests/test_llama.py, with the negative control), so tree and chain blocks (decoding, verification, drafting)
+  run in calls of at most EXACT_ROWS rows, packed with other requests' blocks; a prompt (a chain of more rows)
+  gets calls of its own, the same whatever shares the batch.
+- the order: attention sums over a request's cells in cell order. Freed cells would be refilled by later rows
+  (llama.cpp places a row in the lowest free cell), putting a new token before an older one; so the cells a
+  request forgets (rejected rows, finished requests) keep the graveyard id GRAVE, and are freed only when no cache
+  is left (or, should the memory fill up, at once: the order is then no longer guaranteed).
 """
 
 from __future__ import annotations
