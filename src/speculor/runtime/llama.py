@@ -108,11 +108,28 @@ class LlamaModel:
         self.device, self.dtype = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         self.free_ids = list(range(GRAVE - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
+        self.dead: list[tuple[int, list[int]]] = []  # (base, extra ids) of caches collected since
         self.batch = L.llama_batch_init(N_BATCH, 0, MAX_SEQ)
         weakref.finalize(self, _free, L, self.model, self.ctx, self.batch)
 
     def new_cache(self) -> LlamaCache:
+        self.release()
         return LlamaCache(self)
+
+    def release(self) -> None:
+        """The ids of collected caches back to the pool, their cells to the graveyard (emptied when no cache is
+        left). Run here, by the thread that decodes, never by the garbage collector's: llama.cpp's memory is not
+        to be touched during a decode, which other threads may run into while ctypes has the GIL released."""
+        while self.dead:
+            base, extra = self.dead.pop()
+            ids = [base, *extra]
+            for s in ids:
+                self.L.llama_memory_seq_cp(self.mem, s, GRAVE, -1, -1)
+                self.L.llama_memory_seq_rm(self.mem, s, -1, -1)
+            self.free_ids.extend(ids)
+            self.live -= 1
+            if self.live == 0:
+                self.bury_none()
 
     @property
     def cost_key(self) -> str:
@@ -127,6 +144,8 @@ class LlamaModel:
 
     def seq_id(self) -> int:
         if not self.free_ids:
+            self.release()
+        if not self.free_ids:
             raise SpeculorError(f"the llama.cpp context has no free sequence id ({MAX_SEQ}): too many requests "
                                 "or too wide trees at once")
         return self.free_ids.pop()
@@ -140,6 +159,7 @@ class LlamaModel:
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list:
         """Per block: logits [n, V] (fp32, host), or [1, V] with `last`. Short blocks packed into calls of at most
         EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always."""
+        self.release()
         if any(b.hidden for b in blocks):
             raise SpeculorError("the llama.cpp backend gives no hidden states (SpecDec++'s head): use --backend torch")
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
@@ -229,7 +249,7 @@ class LlamaCache:
         self.extra: list[int] = []  # ids of this request's other paths
         self.pending = torch.zeros(0, dtype=torch.long)
         model.live += 1
-        weakref.finalize(self, _release, model, [self.base], self.extra)
+        weakref.finalize(self, model.dead.append, (self.base, self.extra))  # `extra` as it is then
 
     def new_id(self) -> int:
         s = self.model.seq_id()
@@ -280,17 +300,6 @@ def quiet_llama(path: str | Path, *, threads: int, n_ctx: int, seed: int = 0):
     L = _lib()
     return L.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, seed=seed,
                    verbose=False)
-
-
-def _release(model: LlamaModel, base: list[int], extra: list[int]) -> None:
-    """A finished request's ids back to the model, its cells to the graveyard (freed when no request is left)."""
-    for s in base + extra:
-        model.L.llama_memory_seq_cp(model.mem, s, GRAVE, -1, -1)
-        model.L.llama_memory_seq_rm(model.mem, s, -1, -1)
-    model.free_ids.extend(base + extra)
-    model.live -= 1
-    if model.live == 0:
-        model.bury_none()
 
 
 def _free(L, model, ctx, batch) -> None:
