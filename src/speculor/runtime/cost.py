@@ -89,7 +89,8 @@ def _interp(x: float, xs: Sequence[int], ys: Sequence[float]) -> float:
     return float(np.interp(x, xs, ys))
 
 
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # block sizes timed; others are interpolated
+SIZES = (*range(1, 17), 24, 32, 48, 64, 96, 128)  # block sizes timed (every one to 16: llama.cpp's curve is a
+# sawtooth, t(n) = t(3) per 3 rows + the rest, runtime/llama.py); others interpolated
 
 
 def _sync(model: Model) -> None:
