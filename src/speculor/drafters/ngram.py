@@ -3,11 +3,11 @@
 With this machine's cost curve (budget "auto") a continuation is cut to the length j that maximizes the step's
 expected rate, j = 0 (plain decoding) included, under the acceptance measured so far in the request:
 
-    rate(j) = (1 + a_1 + a_1 a_2 + ... + a_1...a_j) / t_target(j + 1)      a_i = P(i-th accepted | the ones before)
+    rate(j) = (1 + a + a^2 + ... + a^j) / t_target(j + 1)      a = P(a copied token is accepted | the ones before)
 
-a_i is a Beta(1.4, 0.6) estimate (prior mean 0.7) from the i-th tokens that reached verification, kept apart per
-length of the matched n-gram (a 3-gram's copy is far likelier right than a 1-gram's); counts decay by DECAY at every
-step they are not tried, so a length given up on is tried again later. On a flat curve (fp32 torch) the whole
+a is a Beta(1.4, 0.6) estimate (prior mean 0.7) from the copied tokens that reached verification, kept apart per
+length of the matched n-gram (a 3-gram's copy is far likelier right than a 1-gram's); its counts decay by DECAY at
+every step it is not tried, so a length given up on is tried again later. On a flat curve (fp32 torch) the whole
 continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do."""
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class NgramDrafter(Drafter):
         for name, value, top in (("k", k, 64), ("n", n, 16), ("branches", branches, 16)):
             check_int(name, value, 1, top)
         self.k, self.n, self.branches, self.forwards, self.cost = k, n, branches, 0, cost
-        # auto: per matched length m and depth i, tokens that reached verification and tokens accepted
-        self.reached, self.accepted = torch.zeros(n + 1, k), torch.zeros(n + 1, k)
+        # auto: per matched length m, copied tokens that reached verification and tokens accepted
+        self.reached, self.accepted = [0.0] * (n + 1), [0.0] * (n + 1)
         self.cut, self.m = k, 0
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
@@ -78,10 +78,10 @@ class NgramDrafter(Drafter):
 
     def _best_cut(self, longest: int) -> int:
         """The continuation length with the best expected rate (module docstring), 0 = none."""
-        best, tokens, p = (1 / self.cost.t_target(1), 0), 1.0, 1.0
+        a = (self.accepted[self.m] + PRIOR[0]) / (self.reached[self.m] + sum(PRIOR))
+        best, tokens = (1 / self.cost.t_target(1), 0), 1.0
         for j in range(1, longest + 1):
-            p *= float((self.accepted[self.m, j - 1] + PRIOR[0]) / (self.reached[self.m, j - 1] + sum(PRIOR)))
-            tokens += p
+            tokens += a**j
             best = max(best, (tokens / self.cost.t_target(j + 1), j))
         return best[1]
 
@@ -89,8 +89,7 @@ class NgramDrafter(Drafter):
         if self.cost is None:
             return
         got = len(verdict.path)
-        for i in range(min(self.cut, got + 1)):  # depth i reached verification iff the ones before passed
-            self.reached[self.m, i] += 1
-            self.accepted[self.m, i] += i < got
+        self.reached[self.m] += min(self.cut, got + 1)  # a token reaches verification iff the ones before passed
+        self.accepted[self.m] += min(self.cut, got)
 
 

@@ -1,0 +1,62 @@
+"""Decisions made from a cost curve: `--backend auto`'s prediction (runtime/choice.py), DySpec's alone check (can a
+chain pay at all?) and the n-gram cut (drafters/ngram.py), on a flat curve (fp32 torch-like: rows nearly free)
+and a steep one (llama.cpp-like: t(2) = 1.6 t(1), a draft forward half a target step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculor.config import SamplingConfig
+from speculor.core.verify import Verdict
+from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+from speculor.drafters.ngram import NgramDrafter
+from speculor.engine.drafting import drive
+from speculor.runtime.choice import acceptance, predicted
+from speculor.runtime.cost import CostModel
+
+N = tuple(range(1, 17))
+FLAT = CostModel(N, tuple(0.5 + 0.01 * n for n in N), N, tuple(0.05 + 0.003 * n for n in N))
+STEEP = CostModel(N, tuple(0.05 * (1 + 0.6 * (n - 1)) for n in N), N, tuple(0.025 * (1 + 0.6 * (n - 1)) for n in N))
+
+
+def test_prediction_follows_the_curve():
+    rate, k = predicted(FLAT, 0.84)
+    assert k >= 4 and rate > 2 / FLAT.t_target(1)  # nearly free rows: a long chain, until the draft's cost tells
+    rate, k = predicted(STEEP, 0.84)
+    assert k == 0 and rate == pytest.approx(1 / STEEP.t_target(1))  # the draft costs more than it brings
+    assert predicted(CostModel(N, STEEP.target_s, N, tuple(0.0 for _ in N)), 0.99)[1] > 0  # a free, good drafter
+
+
+def test_the_embedded_pairs_acceptance():
+    assert 0.5 < acceptance("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct") < 1
+
+
+def test_dyspec_alone_drafts_only_where_a_chain_could_pay():
+    from support.toy import random_toy
+
+    from speculor.runtime.model import Model
+
+    draft = Model(random_toy(6, seed=0))
+    assert DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT).can_pay
+    assert not DySpecDrafter(draft, DySpecOptions(budget="auto"), STEEP).can_pay
+
+
+def step(drafter, seq, accepted):
+    tree = drive(drafter.propose(seq, SamplingConfig(), None))
+    drafter.observe(len(seq), Verdict(list(range(min(accepted, len(tree.tokens)))), 0))
+    return len(tree.tokens)
+
+
+def test_ngram_cuts_to_what_the_curve_pays_and_learns():
+    seq = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6, 7]  # the 3-gram 5 6 7 recurs: 8 9 10 ... follows
+    assert step(NgramDrafter(k=8, cost=FLAT), seq, 8) == 8  # flat: the whole continuation
+    assert step(NgramDrafter(k=8), seq, 8) == 8  # no curve: always k
+    steep = NgramDrafter(k=8, cost=STEEP)
+    first = step(steep, seq, 8)
+    assert 1 <= first < 8  # the prior (0.7) pays a short try only
+    sizes = [step(steep, seq, 8) for _ in range(6)]
+    assert sizes[-1] > first  # every token accepted: longer cuts
+    failing = NgramDrafter(k=8, cost=STEEP)
+    tried = [step(failing, seq, 0) for _ in range(30)]
+    assert tried[1] == 0  # rejected: it stops drafting at this match length
+    assert sum(t > 0 for t in tried) >= 2  # ... and tries again once its counts have faded
