@@ -67,6 +67,16 @@ def test_tree_in_one_forward_equals_each_path_alone(draft):
         assert torch.equal(logits[row], alone(draft, PROMPT + path)), path
 
 
+def test_rows_equal_alone_over_a_long_context(draft):
+    """Over >= 512 cells llama.cpp splits a one-row call's attention across threads (with F16 keys and values);
+    with the backend's Q8_0 memory a row of a tree still gets the one-row bits."""
+    long = (PROMPT * 60)[:700]
+    cache = prefilled(draft, long[:-1])
+    logits = forward1(draft, cache, [long[-1]] + TREE, torch.tensor(PARENTS))
+    for row, path in PATHS.items():
+        assert torch.equal(logits[row], alone(draft, long + path, prefix=len(long) - 1)), path
+
+
 def test_rows_past_the_limit_in_one_call_differ(draft, monkeypatch):
     """Negative control: the whole tree in one llama_decode call (6 rows) does not give the one-row bits."""
     monkeypatch.setattr(llama, "EXACT_ROWS", 8)

@@ -11,8 +11,10 @@ accepted path: the path's cells take the base id (`seq_cp`), every other id of t
 
 Same bits as plain decoding, in two parts:
 - the rows: ggml's CPU kernels give a row different bits in calls of different sizes (the repacked Q4_K kernels
-  multiply 4 rows at a time, 1 to 3 rows by a vector kernel; attention differs unless flash attention is on). A
-  row computed in a call of at most EXACT_ROWS rows, flash attention on, gets the bits of a one-row call
+  multiply 4 rows at a time, 1 to 3 rows by a vector kernel; attention differs unless flash attention is on, and
+  with F16 keys and values a one-row call over 512 cells or more splits them across threads, a call of 2 rows
+  does not). A row computed in a call of at most EXACT_ROWS rows, flash attention on over a Q8_0 KV memory, gets
+  the bits of a one-row call at any context length
   (tests/test_llama.py, with the negative control), so tree and chain blocks (decoding, verification, drafting)
   run in calls of at most EXACT_ROWS rows, packed with other requests' blocks; a prompt (a chain of more rows)
   gets calls of its own, the same whatever shares the batch.
@@ -95,6 +97,7 @@ class LlamaModel:
         cp.n_threads = cp.n_threads_batch = threads
         cp.kv_unified = True  # one memory for every sequence: a cell may belong to several (tree paths)
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # a row's attention then does not depend on its call
+        cp.type_k = cp.type_v = L.GGML_TYPE_Q8_0  # F16 keys and values: one row over >= 512 cells splits them
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -135,7 +138,7 @@ class LlamaModel:
     def cost_key(self) -> str:
         buf = ctypes.create_string_buffer(256)
         self.L.llama_model_desc(self.model, buf, 256)
-        return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} exact{EXACT_ROWS}"
+        return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} exact{EXACT_ROWS} kv q8_0"
 
     def vocabulary(self) -> list[bytes]:
         """Every token's text (to check that a draft shares the target's vocabulary)."""
