@@ -114,8 +114,7 @@ def cmd_train_head(args: Args) -> None:
 
     data_cfg = DataConfig(**given("sequences", "max_len", "max_prompt", "mixing_ratio", "heldout", "seed"))
     train_cfg = TrainConfig(**given("epochs", "batch_size", "lr", "weight_mismatch", "layers", "seed"))
-    target = embedded.DEFAULT_TARGET if args.target == "default" else args.target
-    draft = embedded.DEFAULT_DRAFT if args.draft == "default" else args.draft
+    target, draft = embedded.named(args.target, args.draft)
     if draft == "none":
         raise SpeculorError("train-head needs a draft model")
     out = Path(args.out) if args.out else cache_dir() / "specdecpp" / f"head--{Path(draft).name}.safetensors"
@@ -260,19 +259,17 @@ def cmd_profile(args: Args) -> None:
     if args.backend != "auto":
         _profile_one(args, args.backend)
         return
-    target, draft = (embedded_name(args.target, "target"), embedded_name(args.draft, "draft"))
+    from speculor.runtime.embedded import named
+
+    target, draft = named(args.target, None if args.draft == "none" else args.draft)
     for name in candidates(target, draft, args.device):
         _profile_one(args, name)
         gc.collect()
 
 
-def embedded_name(spec: str, role: str) -> str:
-    from speculor.runtime import embedded
-
-    return (embedded.DEFAULT_TARGET if role == "target" else embedded.DEFAULT_DRAFT) if spec == "default" else spec
-
-
 def _profile_one(args: Args, backend: str) -> None:
+    from dataclasses import replace
+
     from speculor.config import SamplingConfig
     from speculor.core.sequoia_dp import level_widths
     from speculor.drafters.sequoia import SequoiaOptions, plan_tree, resolve_acc
@@ -297,10 +294,10 @@ def _profile_one(args: Args, backend: str) -> None:
     opts = SequoiaOptions("auto", args.depth, args.width)
     for temp in (float(t) for t in args.temperatures.split(",")):
         acc, source = resolve_acc(None, pair.target_name, pair.draft_name, SamplingConfig(temperature=temp))
-        free = max((sum(acc[0]**i for i in range(k + 1)) * t1 / cost.t_target(k + 1), k) for k in range(9))
+        free = predicted(replace(cost, draft_s=tuple(0.0 for _ in cost.draft_s)), acc[0])
         rate, k = predicted(cost, acc[0])
         print(f"T={temp:g} (acc: {source}): a free chain drafter with top-1 acceptance {acc[0]:.2f}: at most "
-              f"{free[0]:.2f}x (k={free[1]}); this draft's chain: {rate * t1:.2f}x (k={k})")
+              f"{free[0] * t1:.2f}x (k={free[1]}); this draft's chain: {rate * t1:.2f}x (k={k})")
         c = plan_tree(acc, opts, cost)[2]
         print(f"  sequoia: n = {c.n} nodes with the root, {c.d} levels, widths "
               f"{level_widths(c.shape)}, F = {c.expected_tokens:.2f} tokens/step, {c.step_s:.3f} s/step, "

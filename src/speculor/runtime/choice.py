@@ -54,8 +54,7 @@ def choose(target: str, draft: str | None, *, device: str, threads: int) -> str:
     from speculor.runtime.cost import machine_cost
     from speculor.runtime.loading import load_pair
 
-    target = embedded.DEFAULT_TARGET if target == "default" else target
-    draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
+    target, draft = embedded.named(target, draft)
     names = candidates(target, draft, device)
     if len(names) == 1 or draft is None:
         return names[-1]

@@ -45,6 +45,11 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
+def named(target: str, draft: str | None) -> tuple[str, str | None]:
+    """'default' replaced by the embedded target's or draft's name."""
+    return (DEFAULT_TARGET if target == "default" else target), (DEFAULT_DRAFT if draft == "default" else draft)
+
+
 def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 

@@ -44,26 +44,6 @@ N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds thei
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
 
-_init_lock = threading.Lock()
-_initialized = False
-
-
-def _lib():
-    """llama_cpp, imported on first use (the torch backend never needs it), its logging silenced."""
-    global _initialized
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise SpeculorError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python "
-                            "(it compiles llama.cpp, ~10 minutes), or use --backend torch") from exc
-    with _init_lock:
-        if not _initialized:
-            llama_cpp.llama_backend_init()
-            llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
-            _initialized = True
-    return llama_cpp
-
-
 def _silence(level, text, user_data):  # llama.cpp's log: printed by default, every load and every context
     return None
 
@@ -73,12 +53,29 @@ try:
 
     _quiet = _llama_cpp.llama_log_callback(_silence)
 except ImportError:
-    _quiet = None
+    _llama_cpp = _quiet = None
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def _lib():
+    """llama_cpp, its backend initialized and its logging silenced once."""
+    global _initialized
+    if _llama_cpp is None:
+        raise SpeculorError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python "
+                            "(it compiles llama.cpp, ~10 minutes), or use --backend torch")
+    with _init_lock:
+        if not _initialized:
+            _llama_cpp.llama_backend_init()
+            _llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
+            _initialized = True
+    return _llama_cpp
 
 
 def available() -> bool:
     """Whether llama-cpp-python is installed."""
-    return _quiet is not None
+    return _llama_cpp is not None
 
 
 class LlamaModel:
@@ -127,8 +124,7 @@ class LlamaModel:
             base, extra = self.dead.pop()
             ids = [base, *extra]
             for s in ids:
-                self.L.llama_memory_seq_cp(self.mem, s, GRAVE, -1, -1)
-                self.L.llama_memory_seq_rm(self.mem, s, -1, -1)
+                self.forget(s, -1)
             self.free_ids.extend(ids)
             self.live -= 1
             if self.live == 0:
@@ -152,6 +148,11 @@ class LlamaModel:
             raise SpeculorError(f"the llama.cpp context has no free sequence id ({MAX_SEQ}): too many requests "
                                 "or too wide trees at once")
         return self.free_ids.pop()
+
+    def forget(self, s: int, p0: int) -> None:
+        """Remove id s from the cells at positions >= p0; they stay occupied, by the graveyard."""
+        self.L.llama_memory_seq_cp(self.mem, s, GRAVE, p0, -1)
+        self.L.llama_memory_seq_rm(self.mem, s, p0, -1)
 
     def bury_none(self) -> bool:
         """Free the graveyard's cells; whether it held any."""
@@ -259,11 +260,6 @@ class LlamaCache:
         self.extra.append(s)
         return s
 
-    def forget(self, s: int, p0: int) -> None:
-        """Remove id s from the cells at positions >= p0; they stay occupied, by the graveyard."""
-        self.L.llama_memory_seq_cp(self.mem, s, GRAVE, p0, -1)
-        self.L.llama_memory_seq_rm(self.mem, s, p0, -1)
-
     def branched(self, p: int) -> bool:
         """Whether a path already continues from row p (or from the committed tip, p = -1)."""
         own = self.base if p < 0 else self.own[p]
@@ -276,7 +272,7 @@ class LlamaCache:
                 "the rows kept form a path from the committed tip"
             own, end = self.own[rows[-1]], self.length + len(rows)
             if own != self.base:
-                self.forget(self.base, self.length)
+                self.model.forget(self.base, self.length)
                 self.L.llama_memory_seq_cp(self.mem, own, self.base, self.length, end)
             self.length = end
         self.trim(self.length)
@@ -288,9 +284,9 @@ class LlamaCache:
         keep = max(n - self.length, 0)  # pending rows kept
         chain = self.parents[:keep] == list(range(-1, keep - 1)) and set(self.own[:keep]) <= {self.base}
         assert chain, "only a chain's pending rows are partly kept"
-        self.forget(self.base, n)
+        self.model.forget(self.base, n)
         for s in self.extra:
-            self.forget(s, -1)
+            self.model.forget(s, -1)
         self.model.free_ids.extend(self.extra)
         self.extra.clear()
         del self.parents[keep:], self.depth[keep:], self.own[keep:]

@@ -145,8 +145,7 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
         if draft is None:
             raise SpeculorError("--draft-vocab restricts the draft model's vocabulary: it needs a draft")
         draft_vocab_check(draft_vocab)  # before the models are loaded
-    target = embedded.DEFAULT_TARGET if target == "default" else target
-    draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
+    target, draft = embedded.named(target, draft)
     t_model, tokenizer = load_model(target, device="cpu" if offload else device, dtype=dtype)
     if offload:
         offload_to(t_model, device)
@@ -184,8 +183,7 @@ def load_llama_pair(target: str = "default", draft: str | None = "default", *, t
     embedded model, else read from the GGUF)."""
     from speculor.runtime.llama import LlamaModel
 
-    target = embedded.DEFAULT_TARGET if target == "default" else target
-    draft = embedded.DEFAULT_DRAFT if draft == "default" else draft
+    target, draft = embedded.named(target, draft)
     t_path = gguf_file(target)
     folder, name = ((embedded.model_dir(target), None) if target in embedded.EMBEDDED and embedded.is_ready(target)
                     else (t_path.parent, t_path.name))
