@@ -88,13 +88,13 @@ class ToyLM(torch.nn.Module):
         return self.a[ctx[-1]] + second
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values: Cache | None = None,
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
                 use_cache: bool = True, output_hidden_states: bool = False, **kwargs) -> ToyOutput:
         self.calls += 1
         n = input_ids.shape[1]
         new = input_ids[0].float()[None, None, :, None]
-        if past_key_values is not None:
-            keys, _ = past_key_values.update(new, new.clone(), layer_idx=0)
+        if cache is not None:
+            keys, _ = cache.update(new, new.clone(), layer_idx=0)
         else:
             keys = new
         everything = keys[0, 0, :, 0].long().tolist()  # cached prefix + this block

@@ -97,28 +97,57 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def attention_mask(parents: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
-    """4-D additive mask [1, 1, n, past + n]: every row sees the cached prefix and its own ancestors.
+def attention_mask(parents: torch.Tensor, past: int, dtype: torch.dtype, *, start: int = 0,
+                   window: int | None = None) -> torch.Tensor:
+    """4-D additive mask [1, 1, n - start, past + n] of rows start.. of a region: 0 where `visible`, dtype-min
+    elsewhere."""
+    allowed = visible(parents, past, start=start, window=window)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
-    M[i, j] = 0 if j < past or (j - past) in ancestors(i) ∪ {i}, else dtype-min. The tree block is built once
-    per shape (a static tree, a chain, a prompt reuse it) and only the prefix's zeros are new each call.
-    """
+
+def visible(parents: torch.Tensor, past: int, *, start: int = 0, window: int | None = None) -> torch.Tensor:
+    """[n - start, past + n] bool: which entries rows start.. of a region see. Row i sees the cached prefix and its
+    own ancestors and itself; with a sliding `window` only keys less than `window` positions behind it
+    (transformers' sliding_window_overlay: key k is visible from query q iff pos(q) - pos(k) < window), positions
+    being the prefix's 0 .. past - 1 and past + depth in the region. Built per call, never memoised: a chain (a
+    prompt) is a lower triangle; a tree's ancestor block is cached by shape for small trees only."""
     n = len(parents)
-    block = _tree_block(tuple(parents.tolist()), dtype)
-    return torch.cat([torch.zeros(n, past, dtype=dtype), block], dim=1)[None, None]
+    chain = _is_chain(parents)
+    if chain:
+        block = torch.ones(n - start, n, dtype=torch.bool).tril(start)
+    elif n <= SMALL_TREE:
+        block = _ancestors(tuple(parents.tolist()))[start:]
+    else:
+        block = ancestors(parents)[start:]
+    allowed = torch.cat([torch.ones(n - start, past, dtype=torch.bool), block], dim=1)
+    if window is not None and past + n > window:
+        pos = past + _depth(parents, chain)
+        keys = torch.cat([torch.arange(past), pos])
+        allowed &= (pos[start:, None] - keys[None, :]) < window
+    return allowed
 
 
 def position_ids(parents: torch.Tensor, past: int) -> torch.Tensor:
     """Position of each row = past + depth (never its flattened index), shape [1, n]."""
-    return (past + _depths(tuple(parents.tolist())))[None]
+    return (past + _depth(parents, _is_chain(parents)))[None]
+
+
+SMALL_TREE = 64  # trees up to this many rows have their ancestor sets and depths cached by shape
+
+
+def _is_chain(parents: torch.Tensor) -> bool:
+    return bool((parents == torch.arange(-1, len(parents) - 1)).all())
 
 
 @functools.lru_cache(maxsize=512)
-def _tree_block(parents: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """[n, n] additive block: 0 where the column is an ancestor of the row or the row itself, dtype-min elsewhere
-    (cached: callers never modify it)."""
-    allowed = ancestors(torch.tensor(parents, dtype=torch.long))
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+def _ancestors(parents: tuple[int, ...]) -> torch.Tensor:
+    return ancestors(torch.tensor(parents, dtype=torch.long))  # callers never modify it
+
+
+def _depth(parents: torch.Tensor, chain: bool) -> torch.Tensor:
+    if chain:
+        return torch.arange(len(parents))
+    return _depths(tuple(parents.tolist())) if len(parents) <= SMALL_TREE else depths(parents)
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,14 +1,16 @@
-"""Several requests' blocks in ONE forward of a shared model, each request attending to its own cache only.
+"""Requests' blocks in ONE forward of a shared model, each request attending to its own cache only.
 
 The rows of all blocks are stacked into one sequence of R rows, so every linear layer (the weight-bound part of a
-memory-bound model, what batching saves) runs once over R rows. Attention does not: a `Batch` passed as the
-attention mask tells the attention function (registered with transformers' `AttentionInterface` as "speculor")
-where each request's rows are, and each request's queries attend to its own `KVCache` with its own tree mask,
-through the same `sdpa_attention_forward` call a single request makes. So a request's attention costs what it
-costs alone (its own context, not the batch's), and its attention arithmetic is the same as at batch 1.
-`BatchWriter` is the cache the model writes through: it splits each layer's new keys and values by request.
-A model whose attention is not the registered one (e.g. eager, or a test double) is run one block at a time.
-No modeling file is copied or patched: the model keeps its own code and only its attention dispatch is named.
+memory-bound model, what batching saves) runs once over R rows. Attention does not: the forward's keyword argument
+`speculor_batch` (transformers hands a forward's extra keywords down to the attention function, registered with its
+`AttentionInterface` as "speculor") tells where each request's rows are, and each request's queries attend to its
+own `KVCache` with its own mask for the layer's window, through the same `sdpa_attention_forward` call a single
+request makes. So a request's attention costs what it costs alone, and its arithmetic is the same as at batch 1.
+The model's own mask builders are passed `PREPARED`, a 4-D mask they hand on untouched (transformers' "already
+prepared mask" case), so no mask over the stacked rows is ever built. `BatchWriter` is the cache the model writes
+through: it splits each layer's new keys and values by request. A model whose attention is not sdpa (e.g. eager
+with soft-capping) is run one block at a time. No modeling file is copied or patched: only the attention
+implementation's name is switched.
 """
 
 from __future__ import annotations
@@ -24,25 +26,30 @@ from transformers.masking_utils import sdpa_mask
 from speculor.runtime.backend import Segment
 
 NAME = "speculor"  # an "sdpa" model is switched to this name: same masks, same attention, plus batches
+PREPARED = torch.zeros(1, 1, 1, 1)  # what the model's mask builders get: the real masks are the segments'
 
 
 @dataclass(frozen=True)
 class Batch:
-    """Where each request's rows are in a stacked forward; a segment's mask is [1, 1, rows, kv]."""
+    """Where each request's rows are in a stacked forward; a segment's mask is {window: [1, 1, rows, kv]}, and
+    windows[l] is layer l's window (None: full attention)."""
 
     segments: tuple[Segment, ...]
+    windows: tuple[int | None, ...]
 
 
 def batched_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | Batch | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """sdpa for an ordinary mask; for a `Batch`, sdpa per request over its own cache: output [1, R, heads, dim]."""
-    if not isinstance(attention_mask, Batch):
+                      attention_mask: torch.Tensor | None, *, speculor_batch: Batch | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """sdpa for an ordinary call; for a `Batch`, sdpa per request over its own cache: output [1, R, heads, dim]."""
+    if speculor_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    window = speculor_batch.windows[module.layer_idx]
     outs = []
-    for s in attention_mask.segments:
+    for s in speculor_batch.segments:
         layer = s.cache.layers[module.layer_idx]
-        out, _ = sdpa_attention_forward(module, query[:, :, s.start:s.stop], layer.keys, layer.values, s.mask,
-                                        **kwargs)
+        out, _ = sdpa_attention_forward(module, query[:, :, s.start:s.stop], layer.keys, layer.values,
+                                        s.mask[window], **kwargs)
         outs.append(out)
     return torch.cat(outs, dim=1), None
 
@@ -56,8 +63,6 @@ def enable(model: torch.nn.Module) -> bool:
     batch. Other attention implementations are left as they are."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
-    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return False  # sliding-window layers would need their own per-request masks
     if impl == "sdpa" and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)
         impl = config._attn_implementation

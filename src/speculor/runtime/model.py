@@ -23,7 +23,10 @@ from speculor.runtime import batched
 from speculor.runtime.backend import Block, Segment, fit_vocab
 from speculor.runtime.cache import KVCache
 from speculor.runtime.kernels import linear_kinds
+from speculor.runtime.layers import layer_windows
 from speculor.runtime.lean import LeanDecoder
+
+PREFILL_ROWS = 512  # the most rows of a chain (a prompt) in one forward: its masks stay PREFILL_ROWS x context
 
 
 class Model:
@@ -42,7 +45,8 @@ class Model:
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = frozenset([ids] if isinstance(ids, int) else ids or [])  # the model's own end tokens
-        self.batched = batched.enable(model)  # several requests' blocks in one forward (`_stacked`)
+        self.windows = layer_windows(model.config)  # per layer: None (full attention) or its sliding window
+        self.batched = batched.enable(model)  # blocks run through `_stacked` (several requests in one forward)
         self.lean = LeanDecoder(model) if lean else None
 
     @staticmethod
@@ -62,21 +66,53 @@ class Model:
         """Per block: logits [n, V] (fp32, on the host; [1, V], the last row's, with `last`: the vocabulary
         projection, 1/7 of the target's flops, is then made for one row), or (logits, hidden [n, H]) with `hidden`.
         apart=True: each row of the linear layers is computed from that row alone (kernels.py), so a block's result
-        does not depend on the blocks beside it (quantized kernels that scale a call's activations together)."""
+        does not depend on the blocks beside it (quantized kernels that scale a call's activations together).
+        A chain longer than PREFILL_ROWS (a long prompt) runs on its own, PREFILL_ROWS rows a forward, so no mask
+        is larger than PREFILL_ROWS x context."""
+        long = [i for i, b in enumerate(blocks) if b.parents is None and len(b.tokens) > PREFILL_ROWS]
+        if long:
+            rest = iter(self.forward([b for i, b in enumerate(blocks) if i not in long], apart=apart))
+            return [self._chunked(b, apart) if i in long else next(rest) for i, b in enumerate(blocks)]
+        if not blocks:
+            return []
         if self.lean is not None:
             return self._lean(blocks, apart)
-        if self.batched and len(blocks) > 1 and not any(b.append or b.hidden or b.last for b in blocks):
+        if self.batched:
             return self._stacked(blocks)
         return [self._one(b) for b in blocks]
 
+    def _chunked(self, b: Block, apart: bool):
+        """A long chain as consecutive appended chunks of PREFILL_ROWS rows: the same rows, the same masks' rows."""
+        tokens = torch.as_tensor(b.tokens, dtype=torch.long)
+        parts = []
+        for i in range(0, len(tokens), PREFILL_ROWS):
+            chunk = Block(b.cache, tokens[i:i + PREFILL_ROWS], None, b.hidden, b.append or i > 0, b.last)
+            parts.append(self.forward([chunk], apart=apart)[0])
+        if b.last:
+            return parts[-1]
+        if b.hidden:
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return torch.cat(parts)
+
+    def _masks(self, region: torch.Tensor, past: int, start: int) -> dict[int | None, torch.Tensor]:
+        """The additive masks of rows start.. of a region, one per distinct layer window."""
+        return {w: attention_mask(region, past, self.dtype, start=start, window=w).to(self.device)
+                for w in set(self.windows)}
+
     def _one(self, b: Block) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One block through transformers' own forward."""
+        """One block through transformers' own forward and attention (a model that cannot batch, e.g. eager
+        attention with soft-capping): one 4-D mask, or one per layer type where the layers' windows differ."""
         tokens, region, start = _open(b)
+        masks = self._masks(region, b.cache.length, start)
+        if len(masks) == 1:
+            mask = next(iter(masks.values()))
+        else:  # models that mix windows take a mask per layer type
+            mask = {t: masks[w] for t, w in zip(self.model.config.layer_types, self.windows, strict=True)}
         out = self.model(
             input_ids=tokens[None].to(self.device),
             position_ids=position_ids(region, b.cache.length)[:, start:].to(self.device),
-            attention_mask=attention_mask(region, b.cache.length, self.dtype)[:, :, start:].to(self.device),
-            past_key_values=b.cache,
+            attention_mask=mask,
+            cache=b.cache,
             use_cache=True,
             output_hidden_states=b.hidden,
             logits_to_keep=1 if b.last else 0,
@@ -96,32 +132,41 @@ class Model:
             out.append((lg, h) if b.hidden else lg)
         return out
 
-    def _stacked(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
-        """Several requests' blocks (each its cache's whole pending region) in ONE forward of transformers' model:
-        linear layers over the stacked rows, attention per request (runtime/batched.py)."""
+    def _stacked(self, blocks: Sequence[Block]) -> list:
+        """The blocks (one or several requests') in ONE forward of transformers' model: linear layers over the
+        stacked rows, attention per request with its own masks (runtime/batched.py)."""
         segments, ids, positions, regions = self._stack(blocks, lean=False)
-        batch = batched.Batch(tuple(segments))
-        out = self.model(input_ids=ids[None], position_ids=positions, attention_mask={"full_attention": batch},
-                         past_key_values=batched.BatchWriter(batch), use_cache=True)
+        batch = batched.Batch(tuple(segments), self.windows)
+        rows = [torch.arange(s.stop - 1 if s.last else s.start, s.stop) for s in segments]
+        some = any(s.last for s in segments)
+        keep = torch.cat(rows).to(self.device) if some else 0  # the rows whose logits are made
+        out = self.model(input_ids=ids[None], position_ids=positions, attention_mask=batched.PREPARED,
+                         cache=batched.BatchWriter(batch), use_cache=True, speculor_batch=batch,
+                         output_hidden_states=any(b.hidden for b in blocks), logits_to_keep=keep)
         logits = fit_vocab(out.logits[0].float(), self.vocab_size)
-        for s, region in zip(segments, regions, strict=True):
+        result, at = [], 0
+        for b, s, r, region in zip(blocks, segments, rows, regions, strict=True):
             s.cache.pending = region
-        return [logits[s.start:s.stop] for s in segments]
+            lg = logits[at:at + len(r)] if some else logits[s.start:s.stop]
+            at += len(r)
+            result.append((lg, out.hidden_states[-1][0, s.start:s.stop]) if b.hidden else lg)
+        return result
 
     def _stack(self, blocks: Sequence[Block],
                lean: bool) -> tuple[list[Segment], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The blocks' rows stacked: their segments, token ids [R] and positions (on the device), and each cache's
         new pending region. A lean forward takes masks [n, kv] (None where every row sees every entry) and positions
-        [R]; transformers' model masks [1, 1, n, kv] and positions [1, R]."""
+        [R]; transformers' model one mask [1, 1, n, kv] per layer window ({window: mask}) and positions [1, R]."""
         segments, ids, positions, regions, start = [], [], [], [], 0
         for b in blocks:
             tokens, region, first = _open(b)
-            mask = attention_mask(region, b.cache.length, self.dtype)[:, :, first:]
             pos = position_ids(region, b.cache.length)[:, first:]
             if lean:
-                mask, pos = (mask[0, 0] if mask.any() else None), pos[0]
-            segments.append(Segment(b.cache, start, start + len(tokens),
-                                    mask.to(self.device) if mask is not None else None, b.last))
+                mask = attention_mask(region, b.cache.length, self.dtype, start=first)[0, 0]
+                mask, pos = (mask.to(self.device) if mask.any() else None), pos[0]
+            else:
+                mask = self._masks(region, b.cache.length, first)
+            segments.append(Segment(b.cache, start, start + len(tokens), mask, b.last))
             ids.append(tokens)
             positions.append(pos)
             regions.append(region)
