@@ -18,7 +18,7 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """W(logits) -> probabilities [..., V] for temperature > 0: softmax(logits / T) kept to top-k and top-p."""
+    """W(logits) -> probabilities [..., V] for temperature > 0: softmax(logits / T) kept to top-k, top-p, min-p."""
     z = logits.float() / cfg.temperature
     if 0 < cfg.top_k < z.shape[-1]:
         kth = torch.topk(z, cfg.top_k, dim=-1).values[..., -1:]
@@ -30,6 +30,9 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if cfg.min_p > 0:  # drop tokens less likely than min_p times the most likely one
+        probs = probs.masked_fill(probs < cfg.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculor.config import SamplingConfig
+from speculor.core.logits import adjusted, token_logprobs
 from speculor.core.sampling import check_finite, warp
 from speculor.core.tree import EMPTY, DraftTree, block_parents
 from speculor.core.verify import Verdict, verify_greedy, verify_sampled
@@ -34,6 +35,8 @@ from speculor.runtime.cache import KVCache
 class Token:
     id: int
     from_draft: bool  # an accepted draft token (else the recovered/bonus token of its step)
+    logprob: float | None = None  # with cfg.logprobs: its log-probability under the distribution it was chosen from
+    top: tuple[tuple[int, float], ...] = ()  # and the cfg.logprobs most likely tokens there, with theirs
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ def check_prompt(prompt: list[int], cfg: SamplingConfig, target: Backend) -> Non
         raise SpeculorError(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
             f"context length ({target.context_length})")
+    if any(t >= target.vocab_size for t, _ in cfg.logit_bias):
+        raise SpeculorError(f"logit_bias names token ids outside the vocabulary [0, {target.vocab_size})")
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Request:
     stats: Stats
     produced: int = 0
     unfilled: int = 0  # prompt tokens (the root excepted) not yet in the target's cache: chunked prefill (batch.py)
+    scores: list | None = None  # the last step's (logprob, top) per emitted token, with cfg.logprobs (`settle`)
 
 
 def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
@@ -130,7 +136,11 @@ def settle(req: Request, tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """Verify a request's tree against the target's logits for it, commit the accepted path, tell its drafter."""
     check_finite(logits, "target")
     cfg = req.cfg
+    logits = adjusted(logits, cfg, req.seq, req.produced, tree)  # the request's bias and penalties, row by row
     verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
+    if cfg.logprobs is not None:  # token path[j] was chosen at the row of its parent, the last token below the path
+        rows = [0] + [i + 1 for i in verdict.path]
+        req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
     req.cache.keep([0] + [i + 1 for i in verdict.path])
     if req.drafter is not None:
         req.drafter.observe(len(req.seq), verdict)
@@ -144,7 +154,7 @@ def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int
     for i, tok in enumerate([int(tree.tokens[j]) for j in verdict.path] + [verdict.token]):
         req.seq.append(tok)
         req.produced += 1
-        out.append(Token(tok, from_draft=i < len(verdict.path)))
+        out.append(Token(tok, i < len(verdict.path), *(req.scores[i] if req.scores is not None else (None, ()))))
         if req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and tok in eos_ids):
             return out, True
     return out, False
