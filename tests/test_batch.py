@@ -127,7 +127,8 @@ def test_batched_sampling_follows_the_exact_law(target):
 
 def test_batched_dyspec_with_joint_rounds_follows_the_exact_law(target, monkeypatch):
     """Three batch-aware DySpec requests (auto budget, each draft round settled jointly from all their bids, so a
-    request's tree depends on its batch): the first request's law is still the target's."""
+    request's tree depends on its batch; unseeded, as a seeded request sizes its tree as if alone): the first
+    request's law is still the target's."""
     from speculor.engine import drafting
 
     seen, settle = [], drafting.settle
@@ -135,9 +136,10 @@ def test_batched_dyspec_with_joint_rounds_follows_the_exact_law(target, monkeypa
     cost = CostModel((1, 8, 64), (0.234, 0.282, 1.2), (1, 8, 64), (0.030, 0.036, 0.2))
     t_model, d_model = Model(target), Model(perturbed(target, seed=1, noise=0.8))
     counts = torch.zeros([V] * N, dtype=torch.float64)
-    for j in range(2500):
+    torch.manual_seed(20000)  # unseeded requests draw from torch's global generator
+    for _ in range(2500):
         entries = [(DySpecDrafter(d_model, DySpecOptions(budget="auto"), cost), PROMPT + [i] * (i > 0),
-                    SamplingConfig(temperature=1.0, seed=20000 + 3 * j + i, max_new_tokens=N)) for i in range(3)]
+                    SamplingConfig(temperature=1.0, max_new_tokens=N)) for i in range(3)]
         out: list[int] = []
         for i, toks in batched_engine.generate(t_model, entries):
             out.extend(t.id for t in toks if i == 0)
@@ -145,6 +147,21 @@ def test_batched_dyspec_with_joint_rounds_follows_the_exact_law(target, monkeypa
     assert True in seen and False in seen  # bids went ahead and bids were declined
     pvalue, tv, floor = goodness_of_fit(counts, exact_law(target, PROMPT, SamplingConfig(temperature=1.0), N))
     assert pvalue > 1e-3 and tv < 2 * floor, f"p-value {pvalue:.2e}, TV {tv:.4f}, floor {floor:.4f}"
+
+
+def test_a_seeded_request_gets_its_sample_in_any_batch(target):
+    """Under the batch-aware budget a request's tree depends on its batch (joint draft rounds), so a seeded request
+    sizes its tree as if alone: the same seed gives the same tokens alone and beside unseeded neighbours."""
+    cost = CostModel((1, 8, 64), (0.234, 0.282, 1.2), (1, 8, 64), (0.030, 0.036, 0.2))
+    t_model, d_model = Model(target), Model(perturbed(target, seed=1, noise=0.8))
+    make = lambda: DySpecDrafter(d_model, DySpecOptions(budget="auto"), cost)  # noqa: E731
+    torch.manual_seed(0)
+    for seed in range(12):
+        mine = SamplingConfig(temperature=1.0, seed=seed, max_new_tokens=12)
+        alone = [t.id for t in engine.stream(t_model, make(), PROMPT, mine)]
+        cfgs = [mine] + [SamplingConfig(temperature=1.0, max_new_tokens=12)] * 3
+        prompts = [PROMPT] + [PROMPT + [i] for i in range(1, 4)]
+        assert run_batch(t_model, [make] * 4, prompts, cfgs)[0] == alone, seed
 
 
 def test_chi_square_catches_rows_verified_against_another_request(target, monkeypatch):

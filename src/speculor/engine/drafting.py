@@ -16,7 +16,9 @@ any batch. A lone sampled request drafts the same way, so a seed gives the same 
 `serve`. Greedy steps keep the faster per-call kernel: any q gives the target's own tokens at temperature 0.
 
 The batch-aware budget (docs/algorithms.md §11.1) reads a live `Seat` of the step's `Book`: the other requests'
-target rows and expected tokens as their trees stand now, and their rows in each round's draft forward.
+target rows and expected tokens as their trees stand now, and their rows in each round's draft forward. A request
+that names a seed gets no seat: it sizes its tree as if alone, so its seed gives the same sample in any batch (the
+shapes of its trees, hence its random draws, cannot depend on its neighbours).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
     for i in drafting:
         d = reqs[i].drafter
         if book is not None and isinstance(d, BatchAware) and d.batch_aware:
-            d.ledger = book.seat(i)
+            # a seeded request sizes its tree as if alone, so its seed gives the same sample in any batch
+            d.ledger = None if reqs[i].cfg.seed is not None else book.seat(i)
             book.rows[i], book.tokens[i] = d.estimate  # its last tree, until it decides (so the requests before
             # it in turn count it too)
     trees = [EMPTY] * len(reqs)
@@ -152,7 +155,7 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
 def _proposal(req: Request, book: Book | None, i: int) -> Proposal:
     """Request i's tree; a drafter that does not publish as it grows is entered in the book once it is done."""
     tree = yield from req.drafter.propose(req.seq, req.cfg, req.generator)
-    if book is not None and not req.drafter.batch_aware:
+    if book is not None and getattr(req.drafter, "ledger", None) is None:  # it did not publish as it grew
         book.rows[i], book.tokens[i] = 1 + len(tree), float(req.drafter.expected_tokens)
     return tree
 

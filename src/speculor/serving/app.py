@@ -7,11 +7,18 @@ Request fields follow the OpenAI API, with these choices:
 
 * `temperature` defaults to 1.0 as in OpenAI (0 = greedy); `top_p` to 1.0; `top_k` (extension) to 0 = off.
 * `max_tokens` defaults to 16 for /v1/completions (as in OpenAI) and, for chat, to the rest of the context.
-* `stop` is a string or a list of up to 16 strings; `seed` makes sampling reproducible; only `n = 1`.
+* `stop` is a string or a list of up to 16 strings; `seed` makes sampling reproducible; `n` up to 8
+  independent choices (choice i seeded with seed + i).
+* `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI), `repetition_penalty` and `min_p` (extensions,
+  as in vLLM) transform the target's distribution at every tree node, exactly (core/logits.py); `logprobs`
+  (chat: `logprobs: true` and `top_logprobs`; completions: `logprobs: k`) reports each token's log-probability
+  under the distribution it was chosen from (greedy: softmax of the transformed logits).
 * `speculative` (extension): `{"strategy": "chain", "k": 4, ...}`; a request that names no strategy uses
   the server's strategy and options, overridden by the options it gives.
 * `model` is accepted and ignored: the server serves one model, the one GET /v1/models lists.
-* Unknown fields are ignored; fields of the wrong type are refused (strict validation, no coercion).
+* No field is silently ignored: an unknown field is a 400 naming it, and so are `response_format`, `tools` and
+  the other fields this server does not implement; `user`, `metadata`, `store` and `service_tier` are accepted
+  and have no effect. Fields of the wrong type are refused (strict validation, no coercion).
 * `usage` adds `tau` (tokens per target forward) and `accepted_tokens` (emitted tokens that were draft
   tokens accepted by verification) to the OpenAI counts.
 
@@ -38,7 +45,7 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jinja2
@@ -54,7 +61,14 @@ from speculor.serving.errors import APIError, bad_request, install_error_handler
 from speculor.serving.formats import Format, JobStream, collect, sse_stream
 from speculor.serving.metrics import Metrics, MetricsMiddleware
 from speculor.serving.scheduler import Job, Scheduler
-from speculor.serving.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerationRequest, SpeculativeOptions
+from speculor.serving.schemas import (
+    UNSUPPORTED,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    SpeculativeOptions,
+)
 
 logger = logging.getLogger("speculor.serving.app")
 
@@ -99,8 +113,12 @@ class _Server:
             raise APIError(400, "the chat template produced an empty prompt", param="messages")
         return ids
 
-    def make_job(self, req: GenerationRequest, ids: list[int], max_tokens: int | None, param: str) -> Job:
-        """Validate sampling, context and strategy; a Job for them. Raises APIError 400."""
+    def make_jobs(self, req: GenerationRequest, ids: list[int], max_tokens: int | None, param: str) -> list[Job]:
+        """Validate the request's fields, sampling, context and strategy; one Job per choice (`n`, choice i seeded
+        with seed + i). Raises APIError 400."""
+        for name in UNSUPPORTED:
+            if getattr(req, name, None) is not None:
+                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_field")
         room = self.context_length() - len(ids)
         if room <= 0:
             raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room for new tokens in the model's "
@@ -113,13 +131,22 @@ class _Server:
         if not all(stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         try:
+            bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        except ValueError as exc:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from exc
+        try:
             cfg = SamplingConfig(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                                 max_new_tokens=max_tokens or room, stop=stop)
+                                 max_new_tokens=max_tokens or room, stop=stop, min_p=req.min_p,
+                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                 repetition_penalty=req.repetition_penalty, logit_bias=bias,
+                                 logprobs=logprobs_of(req))
             engine.check_prompt(ids, cfg, self.sp.pair.target)
         except SpeculorError as exc:
             raise bad_request(exc) from exc
         strategy, options = self._strategy(req.speculative)
-        return Job(ids, cfg, strategy, options, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        seeds = [None if cfg.seed is None else (cfg.seed + i) % 2**64 for i in range(req.n)]
+        return [Job(ids, replace(cfg, seed=seed), strategy, options, loop) for seed in seeds]
 
     def _strategy(self, spec: SpeculativeOptions | None) -> tuple[str | None, dict[str, Any]]:
         """(strategy or None for the server's, options) of a request, checked by building its shared part."""
@@ -133,28 +160,48 @@ class _Server:
             raise bad_request(exc, "speculative") from exc
         return spec.strategy, options
 
-    async def respond(self, request: Request, req: GenerationRequest, job: Job, chat: bool) -> Response:
-        """Queue the job (429 if full) and answer with a stream or, once done, a whole response."""
-        self.scheduler.submit(job)
-        fmt = Format(chat, self.model, job.id)
+    async def respond(self, request: Request, req: GenerationRequest, jobs: list[Job], chat: bool) -> Response:
+        """Queue the jobs (429 if full) and answer with a stream or, once done, a whole response."""
+        for i, job in enumerate(jobs):
+            try:
+                self.scheduler.submit(job)
+            except APIError:
+                for queued in jobs[:i]:
+                    queued.cancel.set()
+                raise
+        fmt = Format(chat, self.model, jobs[0].id, self.piece, jobs[0].cfg.logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return JobStream(job, sse_stream(job, fmt, include_usage))
-        text, done = await collect(job, request)
-        return JSONResponse(fmt.full(text, done.finish_reason, done.usage))
+            return JobStream(jobs, sse_stream(jobs, fmt, include_usage))
+        answers, usage = await collect(jobs, request)
+        return JSONResponse(fmt.full(answers, usage))
+
+    def piece(self, token: int) -> str:
+        """A token's own text (log-probability entries)."""
+        return self.sp.pair.tokenizer.decode([token])
+
+
+def logprobs_of(req: GenerationRequest) -> int | None:
+    """The number of alternatives a request wants beside each token's log-probability, or None for none: chat
+    asks with `logprobs: true` (+ `top_logprobs`), completions with `logprobs: k`."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _routes(app: FastAPI, srv: _Server) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         ids = srv.encode_prompt(req.prompt)
-        return await srv.respond(request, req, srv.make_job(req, ids, req.max_tokens, "prompt"), chat=False)
+        return await srv.respond(request, req, srv.make_jobs(req, ids, req.max_tokens, "prompt"), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
         ids = srv.encode_messages(req.messages)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await srv.respond(request, req, srv.make_job(req, ids, max_tokens, "messages"), chat=True)
+        return await srv.respond(request, req, srv.make_jobs(req, ids, max_tokens, "messages"), chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

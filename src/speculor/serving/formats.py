@@ -1,18 +1,18 @@
 """OpenAI response objects and how a job's events reach the client.
 
-Contract: `Format` builds the OpenAI bodies of one request (text or chat completion, whole or as stream
-chunks, usage included); `sse_stream` turns a job's events into the server-sent-events body that ends with
-`data: [DONE]`, sent by `JobStream`, which cancels the job however the response ends; `collect` waits for a
-whole generation, cancelling it if the client hangs up, and raises the job's APIError if it failed.
+Contract: `Format` builds the OpenAI bodies of one request (text or chat completion, one choice per job, whole
+or as stream chunks, log-probabilities and usage included); `sse_stream` turns the jobs' events into the
+server-sent-events body that ends with `data: [DONE]`, sent by `JobStream`, which cancels the jobs however the
+response ends; `collect` waits for whole generations, cancelling them if the client hangs up, and raises a
+job's APIError if it failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,39 +20,51 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from speculor.engine.loop import Token
 from speculor.serving.errors import APIError
-from speculor.serving.scheduler import Delta, Done, Failed, Job
+from speculor.serving.scheduler import Delta, Done, Event, Failed, Job
 
 
 @dataclass
 class Format:
-    """OpenAI response objects of one request: text completions or chat completions."""
+    """OpenAI response objects of one request: text or chat completions, one choice per job (`n`); with
+    `logprobs` (None: off; else the number of alternatives) each choice carries its tokens' log-probabilities in
+    the endpoint's own layout. `piece(id)` is a token's text."""
 
     chat: bool
     model: str
     job_id: str
+    piece: Callable[[int], str] = str
+    logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def id(self) -> str:
-        """The response id: the job id (as in the server log) with OpenAI's prefix."""
+        """The response id: the first job's id (as in the server log) with OpenAI's prefix."""
         return ("chatcmpl-" if self.chat else "cmpl-") + self.job_id
 
     def _obj(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._obj([choice], chunk=False), "usage": usage}
+    def full(self, answers: list[tuple[str, str, list[Token]]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole response: answers[i] = (text, finish reason, tokens) of choice i."""
+        choices = []
+        for i, (text, finish, tokens) in enumerate(answers):
+            choice: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": self._logprobs(tokens)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._obj(choices, chunk=False), "usage": usage}
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
-        """A stream chunk with `text` (None: no content, as in the final chunk) and the finish reason."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
+              tokens: tuple[Token, ...] = ()) -> dict[str, Any]:
+        """A stream chunk of choice `index` with `text` (None: no content, as in the final chunk), its tokens'
+        log-probabilities and the finish reason."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish,
+                                  "logprobs": self._logprobs(tokens) if tokens else None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -65,65 +77,148 @@ class Format:
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._obj([], chunk=True), "usage": usage}
 
+    def _logprobs(self, tokens: list[Token] | tuple[Token, ...]) -> dict[str, Any] | None:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: {tokens, token_logprobs,
+        top_logprobs, text_offset}."""
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [{**self._entry(t.id, t.logprob),
+                                 "top_logprobs": [self._entry(i, lp) for i, lp in t.top]} for t in tokens]}
+        pieces = [self.piece(t.id) for t in tokens]
+        offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        return {"tokens": pieces, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [self._alternatives(t) for t in tokens], "text_offset": offsets}
+
+    def _alternatives(self, token: Token) -> dict[str, float]:
+        """{text: logprob} of a token's alternatives, most likely first (two ids with one text: the likelier)."""
+        alts: dict[str, float] = {}
+        for i, lp in token.top:
+            alts.setdefault(self.piece(i), lp)
+        return alts
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.piece(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def combined(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of a request with several choices: the prompt once, the generations' counts summed."""
+    if len(usages) == 1:
+        return usages[0]
+    total = {k: sum(u[k] for u in usages) for k in ("completion_tokens", "accepted_tokens", "steps", "drafted_tokens")}
+    prompt = usages[0]["prompt_tokens"]
+    per_step = round(total["completion_tokens"] / total["steps"], 4) if total["steps"] else 0.0
+    return {"prompt_tokens": prompt, "completion_tokens": total["completion_tokens"],
+            "total_tokens": prompt + total["completion_tokens"], "tau": per_step,
+            "accepted_tokens": total["accepted_tokens"], "steps": total["steps"],
+            "drafted_tokens": total["drafted_tokens"], "tokens_per_step": per_step}
+
 
 def _sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-async def sse_stream(job: Job, fmt: Format, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: content chunks, a chunk with the finish reason, [usage,] `data: [DONE]`.
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice index, event) of every job as they come; each job's stream ends with its Done or Failed."""
+    if len(jobs) == 1:
+        async for event in jobs[0].stream():
+            yield 0, event
+        return
+    out: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
 
-    An error after the headers went out becomes an `{"error": ...}` event. Closing the stream early (the
-    client disconnected) cancels the job through `Job.stream`.
+    async def pump(i: int, job: Job) -> None:
+        async for event in job.stream():
+            await out.put((i, event))
+        await out.put(None)
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        live = len(jobs)
+        while live:
+            item = await out.get()
+            if item is None:
+                live -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def sse_stream(jobs: list[Job], fmt: Format, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body: per choice, content chunks and a chunk with its finish reason; then [usage,] `data: [DONE]`.
+
+    An error after the headers went out becomes an `{"error": ...}` event (and ends the stream). Closing the
+    stream early (the client disconnected) cancels the jobs through `Job.stream`.
     """
     if fmt.chat:
-        yield _sse(fmt.chunk("", role=True))
-    async for event in job.stream():
+        for i in range(len(jobs)):
+            yield _sse(fmt.chunk(i, "", role=True))
+    usages = []
+    async for i, event in _merged(jobs):
         if isinstance(event, Delta):
-            yield _sse(fmt.chunk(event.text))
+            yield _sse(fmt.chunk(i, event.text, tokens=event.tokens))
         elif isinstance(event, Done):
-            yield _sse(fmt.chunk(None, event.finish_reason))
-            if include_usage:
-                yield _sse(fmt.usage_chunk(event.usage))
+            yield _sse(fmt.chunk(i, None, event.finish_reason))
+            usages.append(event.usage)
         else:
             yield _sse(event.error.body())
+            break
+    if include_usage and len(usages) == len(jobs):
+        yield _sse(fmt.usage_chunk(combined(usages)))
     yield _sse("[DONE]")
 
 
 class JobStream(StreamingResponse):
-    """An SSE response that cancels its job however it ends: finished, client gone, or never started."""
+    """An SSE response that cancels its jobs however it ends: finished, client gone, or never started."""
 
-    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
+    def __init__(self, jobs: list[Job], content: AsyncIterator[str]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel.set()  # a no-op once the job has ended
+            for job in self.jobs:
+                job.cancel.set()  # a no-op once the job has ended
 
 
-async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
-    """Set `cancel` when the client hangs up (the body was read, so the next message is the disconnect)."""
+async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+    """Cancel the jobs when the client hangs up (the body was read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    cancel.set()
+    for job in jobs:
+        job.cancel.set()
 
 
-async def collect(job: Job, request: Request) -> tuple[str, Done]:
-    """Wait for a whole generation; the client hanging up cancels it. Raises APIError if it failed."""
-    watcher = asyncio.create_task(_watch_disconnect(request, job.cancel))
-    parts: list[str] = []
+async def collect(jobs: list[Job], request: Request) -> tuple[list[tuple[str, str, list[Token]]], dict[str, Any]]:
+    """Wait for whole generations: (text, finish reason, tokens) per job and the combined usage; the client
+    hanging up cancels them. Raises the APIError of a job that failed."""
+    watcher = asyncio.create_task(_watch_disconnect(request, jobs))
     try:
-        async for event in job.stream():
-            if isinstance(event, Delta):
-                parts.append(event.text)
-            elif isinstance(event, Failed):
-                raise event.error
-            else:
-                return "".join(parts), event
+        results = await asyncio.gather(*(_one(job) for job in jobs))
+    except BaseException:
+        for job in jobs:  # one failed (or the request was cancelled): the others stop too
+            job.cancel.set()
+        raise
     finally:
         watcher.cancel()
+    return ([(text, done.finish_reason, tokens) for text, done, tokens in results],
+            combined([done.usage for _, done, _ in results]))
+
+
+async def _one(job: Job) -> tuple[str, Done, list[Token]]:
+    parts: list[str] = []
+    tokens: list[Token] = []
+    async for event in job.stream():
+        if isinstance(event, Delta):
+            parts.append(event.text)
+            tokens.extend(event.tokens)
+        elif isinstance(event, Failed):
+            raise event.error
+        else:
+            return "".join(parts), event, tokens
     raise APIError(500, "the generation ended without a result", type="server_error")  # unreachable

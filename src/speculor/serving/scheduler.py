@@ -40,6 +40,7 @@ logger = logging.getLogger("speculor.serving.app")  # the server's one log chann
 @dataclass(frozen=True)
 class Delta:
     text: str
+    tokens: tuple[engine.Token, ...] = ()  # the tokens whose text this is (their logprobs, when asked for)
 
 
 @dataclass(frozen=True)
@@ -225,12 +226,12 @@ class Scheduler:
         for tok in toks:
             r.progress.add(tok)
             if delta := r.detok.add(tok):
-                job.emit(Delta(delta))
+                job.emit(Delta(delta, tuple(r.detok.pop_tokens())))
             if r.detok.stopped:
                 break
         if r.detok.stopped or r.active.done:
             if not r.detok.stopped and (delta := r.detok.flush()):
-                job.emit(Delta(delta))
+                job.emit(Delta(delta, tuple(r.detok.pop_tokens())))
             stopped = r.detok.stopped or (r.progress.last in self.sp.eos_ids)
             job.emit(Done("stop" if stopped else "length", r.progress.usage(job, stats)))
             self._account(job, "completed", stats, r.progress, time.perf_counter() - r.t0)

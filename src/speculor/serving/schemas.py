@@ -1,21 +1,26 @@
 """Request bodies of the OpenAI-compatible server, as strict pydantic models.
 
-Contract: fields of the wrong type are refused (strict validation, no coercion), unknown fields are ignored
-(`speculative` keeps them: they are the strategy's options, checked later by its builder). Semantic checks
-that need the model (context length, token ids, strategy options) are the app's job, not these models'.
+Contract: fields of the wrong type are refused (strict validation, no coercion), and so is every field these
+models do not declare (a 400 naming it: a request field is never silently ignored). Declared but harmless:
+`user`, `metadata`, `store`, `service_tier` (accepted, no effect on the answer). Declared and refused when set
+(`UNSUPPORTED`): the app answers 400 naming them. `speculative` keeps unknown keys: they are the strategy's
+options, checked later by its builder. Semantic checks that need the model (context length, token ids, strategy
+options) are the app's job, not these models'.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_N = 8  # choices per request
+MAX_TOP_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class SpeculativeOptions(BaseModel):
@@ -36,20 +41,38 @@ class GenerationRequest(_Strict):
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    n: int = Field(1, ge=1, le=MAX_N, description="independent choices, each with its own seed")
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
+    # harmless: accepted, no effect on the answer
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # refused when set (UNSUPPORTED): they would change the answer and are not implemented
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: Any = None
+    best_of: Any = None
 
 
 class TextPart(_Strict):
@@ -73,4 +96,9 @@ class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+               "suffix", "best_of")
