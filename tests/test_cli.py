@@ -278,3 +278,28 @@ def test_dtype_reaches_the_loader(monkeypatch) -> None:
                                     ("cuda", "float32", torch.float32), ("cpu", "float16", torch.float16)):
         commands.load_pair_from_args(types.SimpleNamespace(target="t", draft="d", device=device, dtype=dtype))
         assert seen["dtype"] is expected and seen["offload"] is False, (device, dtype)
+
+
+def test_generate_takes_the_servers_sampling_fields(monkeypatch, capsys) -> None:
+    """`speculor generate` takes what the server takes: a logit bias that bans the greedy first token changes it,
+    penalties and logprobs reach the library (checked against the Python API with the same settings)."""
+    from support.server import tiny_pair
+
+    from speculor import SamplingConfig, Speculor
+
+    pair = tiny_pair()
+    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: pair)
+    base = ["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "8", "--json"]
+    assert cli.main(base + ["--logprobs", "2"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert len(plain["logprobs"]) == 8 and all(len(e["top"]) == 2 for e in plain["logprobs"])
+    first = plain["token_ids"][0]
+    assert cli.main(base + ["--logit-bias", f"{first}=-100", "--frequency-penalty", "1.5",
+                            "--repetition-penalty", "1.3"]) == 0
+    changed = json.loads(capsys.readouterr().out)["token_ids"]
+    assert changed[0] != first
+    sp = Speculor(pair)
+    cfg = SamplingConfig(max_new_tokens=8, logit_bias={first: -100}, frequency_penalty=1.5, repetition_penalty=1.3)
+    assert changed == sp.generate(sp.encode("The quick brown fox"), cfg).token_ids
+    assert cli.main(base + ["--logit-bias", "x=1"]) == 2
+    assert "--logit-bias takes ID=BIAS" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from speculor import engine
@@ -28,6 +28,7 @@ class Generation:
     stats: engine.Stats
     total_s: float
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    tokens: list[engine.Token] = field(default_factory=list)  # with their logprobs when cfg.logprobs is set
 
     @property
     def tau(self) -> float:
@@ -107,13 +108,14 @@ class Speculor:
         cfg = cfg or SamplingConfig()
         stats = engine.Stats()
         t0 = time.perf_counter()
-        text, ids = [], []
+        text, tokens = [], []
         for delta, toks in self.stream_text(prompt, cfg, chat=chat, strategy=strategy, stats=stats, **options):
             text.append(delta)
-            ids.extend(t.id for t in toks)
+            tokens.extend(toks)
         total = time.perf_counter() - t0
+        ids = [t.id for t in tokens]
         stopped = len(ids) < cfg.max_new_tokens or (ids and ids[-1] in self.eos_ids)
-        return Generation("".join(text), ids, stats, total, "stop" if stopped else "length")
+        return Generation("".join(text), ids, stats, total, "stop" if stopped else "length", tokens)
 
 
 class Detokenizer:

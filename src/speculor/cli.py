@@ -111,6 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the most likely one's "
+                   "probability (0 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], as in the OpenAI API")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], as in the OpenAI API")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off (as in transformers)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and its N most likely alternatives")
     _add_strategy_args(g)
     _add_model_args(g)
     _add_sampling_args(g)

