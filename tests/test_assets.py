@@ -18,8 +18,8 @@ def cache(tmp_path, monkeypatch):
 def _fake_model(cache, parts: list[bytes], sha: str | None = None) -> embedded.EmbeddedModel:
     """Write wheels fake-part1..N holding `parts`, as the real part packages do."""
     whole = b"".join(parts)
-    model = embedded.EmbeddedModel("fake", "fake-part", "1.0", len(parts),
-                                   sha or hashlib.sha256(whole).hexdigest(), len(whole))
+    model = embedded.EmbeddedModel("fake", "1.0", sha or hashlib.sha256(whole).hexdigest(), len(whole),
+                                   embedded.split("fake-part", len(parts)))
     (cache / "wheels").mkdir(parents=True, exist_ok=True)
     for i, data in enumerate(parts, 1):
         dist, version, inner = model.part(i)

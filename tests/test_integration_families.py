@@ -27,22 +27,22 @@ def own_generate(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name, words, new", [("gemma-3-270m", 560, 64), ("smollm2-135m-instruct", 120, 48)])
+@pytest.mark.parametrize("name, words, new", [("gemma-3-270m", 560, 40), ("smollm2-135m-instruct", 120, 40)])
 def test_a_real_model_of_another_family_equals_its_own_generate(name, words, new):
     torch.set_num_threads(2)
     model, tokenizer = load_model(name)
     model.generation_config.eos_token_id = None  # all `new` tokens
     prompt = tokenizer(TEXT * (words // 30 + 1))["input_ids"][:words]
     if name.startswith("gemma"):
-        assert len(prompt) + new > model.config.sliding_window + 100  # well past the window
+        assert len(prompt) + new >= model.config.sliding_window + 88  # a 600-token context, well past the window
     want = own_generate(model, prompt, new)
     target = Model(model)
     assert [t.id for t in engine.stream(target, None, prompt, SamplingConfig(max_new_tokens=new))] == want
     greedy = SamplingConfig(max_new_tokens=new)
-    for drafter in (ChainDrafter(target, 3), TreeDrafter(target, [-1, -1, 0, 1], "swor")):
-        assert [t.id for t in engine.stream(target, drafter, prompt, greedy)] == want, type(drafter).__name__
+    tree = TreeDrafter(target, [-1, -1, 0, 1], "swor")  # the model drafting for itself: several nodes a step
+    assert [t.id for t in engine.stream(target, tree, prompt, greedy)] == want
     other = prompt[len(prompt) // 3:]
-    entries = [(ChainDrafter(target, 2), prompt, greedy), (None, other, SamplingConfig(max_new_tokens=new // 2))]
+    entries = [(ChainDrafter(target, 3), prompt, greedy), (None, other, SamplingConfig(max_new_tokens=new // 2))]
     out: list[list[int]] = [[], []]
     for i, toks in batched_engine.generate(target, entries):
         out[i].extend(t.id for t in toks)
