@@ -264,9 +264,15 @@ def test_load_pair_from_folders(saved, target):
     assert out.token_ids == reference_greedy(target, [4, 5, 6], 6)
 
 
-def test_load_pair_refuses_a_draft_with_another_vocabulary(saved):
-    with pytest.raises(SpeculorError, match="vocabulary differs"):
-        load_pair(saved["target"], saved["other_vocab"])
+def test_a_draft_with_another_vocabulary_drafts_through_text(saved, target):
+    pair = load_pair(saved["target"], saved["other_vocab"])
+    assert pair.draft_tokenizer is not None and pair.draft_tokenizer.get_vocab() != pair.tokenizer.get_vocab()
+    out = Speculor(pair, k=2).generate([4, 5, 6], SamplingConfig(max_new_tokens=6, stop_on_eos=False))
+    assert out.token_ids == reference_greedy(target, [4, 5, 6], 6)
+    with pytest.raises(SpeculorError, match="needs a draft with the target's tokenizer"):
+        Speculor(pair, strategy="dyspec").generate([4, 5, 6], SamplingConfig(max_new_tokens=2))
+    with pytest.raises(SpeculorError, match="another tokenizer"):
+        load_pair(saved["target"], saved["other_vocab"], draft_vocab=32)
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 100, b"\x08\x00\x00\x00\x00\x00\x00\x00{}", "truncated"])

@@ -15,6 +15,7 @@ from typing import Any
 from speculor.config import check_int
 from speculor.drafters.base import Shared, Strategy
 from speculor.drafters.chain import ChainDrafter
+from speculor.drafters.cross_vocab import CrossVocabDrafter
 from speculor.drafters.dyspec import make_dyspec
 from speculor.drafters.gsd import make_gsd
 from speculor.drafters.sequoia import make_sequoia
@@ -29,7 +30,12 @@ def _chain(pair: Pair, k: int = 4) -> Shared:
     check_int("k", k, 1, 64)
     if pair.draft is None:
         raise SpeculorError("strategy 'chain' needs a draft model")
+    if pair.draft_tokenizer is not None:  # another tokenizer: k draft tokens through text, proposed as point masses
+        return Shared(partial(CrossVocabDrafter, pair.draft, pair.draft_tokenizer, pair.tokenizer, k))
     return Shared(partial(ChainDrafter, pair.draft, k))
+
+
+TEXT_LEVEL = ("plain", "chain", "ngram")  # the strategies a draft with another tokenizer can serve
 
 
 BUILDERS: dict[str, Callable[..., Strategy | None]] = {
@@ -70,4 +76,7 @@ def make_strategy(name: str, pair: Pair, **options: Any) -> Strategy | None:
     """The shared part of strategy `name` with `options` (None for plain decoding); SpeculorError for an unknown
     strategy, an option it does not take, or a bad value."""
     check_options(name, options)
+    if pair.draft_tokenizer is not None and name not in TEXT_LEVEL:
+        raise SpeculorError(f"strategy {name!r} needs a draft with the target's tokenizer; this draft has another "
+                            f"one: use {', '.join(TEXT_LEVEL)} (chain drafts through text)")
     return BUILDERS[name](pair, **options)

@@ -1,5 +1,6 @@
-"""Loading a target and a draft model (`load_pair`): a folder, a .gguf file or an embedded model; the draft
-must share the target's vocabulary; the fast CPU kernels are swapped in here."""
+"""Loading a target and a draft model (`load_pair`): a folder, a .gguf file or an embedded model; a draft with
+another tokenizer than the target's is kept with its tokenizer (cross-tokenizer drafting, drafters/cross_vocab.py);
+the fast CPU kernels are swapped in here."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from speculor.runtime.model import Model
 
 @dataclass
 class Pair:
-    """A target, an optional draft model sharing its vocabulary, and their tokenizer."""
+    """A target, an optional draft model, and the target's tokenizer; `draft_tokenizer` is the draft's own where it
+    differs (then only text-level drafting can use it)."""
 
     target: Backend
     draft: Backend | None
@@ -30,6 +32,7 @@ class Pair:
     target_name: str = ""
     draft_name: str = ""
     backend: str = "torch"  # what runs the forwards: "torch" (runtime/model.py) or "llama.cpp" (runtime/llama.py)
+    draft_tokenizer: PreTrainedTokenizerBase | None = None  # a draft with another tokenizer (drafters/cross_vocab.py)
 
 
 def resolve(spec: str) -> tuple[Path, str | None]:
@@ -88,6 +91,10 @@ def offload_to(model: torch.nn.Module, device: str) -> None:
             pinned[t.data_ptr()] = t.pin_memory() if pin else t
         weights[name] = pinned[t.data_ptr()]
     cpu_offload(model, execution_device=torch.device(device), state_dict=weights)
+
+
+def same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> bool:
+    return target_tok.get_vocab() == draft_tok.get_vocab()
 
 
 def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
@@ -155,7 +162,10 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     d_lm = None
     if draft is not None:
         d_model, d_tok = load_model(draft, device=device, dtype=dtype)
-        check_same_vocab(tokenizer, d_tok)
+        cross = not same_vocab(tokenizer, d_tok)  # another tokenizer: drafted through text (cross_vocab.py)
+        if cross and draft_vocab:
+            raise SpeculorError("--draft-vocab restricts a draft that shares the target's vocabulary; this draft has "
+                                "another tokenizer")
         if draft_vocab:  # before packing, so that the subset's rows get the draft's kernel kind
             restrict_draft(d_model, tokenizer, draft_vocab, t_lm.vocab_size)
         kind, lean = Int8Linear if draft_int8 else PackedLinear, lean_draft and draft_int8 and supports(d_model)
@@ -163,8 +173,9 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
             fuse_projections(d_model, kind if can_pack(d_model) else None)
         if packed or draft_int8:
             pack_linears(d_model, kind)
-        d_lm = Model(d_model, vocab_size=t_lm.vocab_size, lean=lean)
-    return Pair(t_lm, d_lm, tokenizer, target, draft or "", backend="torch")
+        d_lm = Model(d_model, vocab_size=None if cross else t_lm.vocab_size, lean=lean)
+    return Pair(t_lm, d_lm, tokenizer, target, draft or "", backend="torch",
+                draft_tokenizer=d_tok if draft is not None and cross else None)
 
 
 def gguf_file(spec: str) -> Path:
@@ -198,5 +209,6 @@ def load_llama_pair(target: str = "default", draft: str | None = "default", *, t
         d_lm = LlamaModel(gguf_file(draft), threads=threads, vocab_size=t_lm.vocab_size)
         if d_lm.vocabulary() != t_lm.vocabulary():
             raise SpeculorError(f"the draft's vocabulary differs from the target's ({d_lm.n_vocab} vs {t_lm.n_vocab} "
-                                "tokens); speculative decoding needs a draft with the target's tokenizer")
+                                "tokens); on llama.cpp the draft needs the target's tokenizer (a draft with another "
+                                "one runs with --backend torch, drafting through text)")
     return Pair(t_lm, d_lm, tokenizer, target, draft or "", backend="llama.cpp")
