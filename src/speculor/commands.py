@@ -198,10 +198,13 @@ def cmd_serve(args: Args) -> None:
     if default:  # the batch-aware strategy
         args.strategy = DEFAULT_STRATEGY[0]
     options = _strategy_options(args)  # refused before the pair is loaded
-    if default:
+    pair = load_pair_from_args(args)
+    if default and pair.draft_tokenizer is None:
         options = {**DEFAULT_STRATEGY[1], **options}
-    serve(load_pair_from_args(args), host=args.host, port=args.port, strategy=args.strategy,
-          queue_size=args.queue_size, max_batch=args.max_batch, **options)
+    elif default:  # a draft with another tokenizer: create_app's own default (chain through text)
+        args.strategy = None
+    serve(pair, host=args.host, port=args.port, strategy=args.strategy, queue_size=args.queue_size,
+          max_batch=args.max_batch, **options)
 
 
 def cmd_loadtest(args: Args) -> None:

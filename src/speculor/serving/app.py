@@ -230,12 +230,14 @@ DEFAULT_STRATEGY = ("dyspec", {"budget": "auto"})  # batch-aware: sized from the
 def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = 8,
                **options: Any) -> FastAPI:
     """A FastAPI app serving `pair` with a default `strategy` and its `options` (e.g. k=4); no strategy: DySpec
-    with the batch-aware auto budget (DEFAULT_STRATEGY).
+    with the batch-aware auto budget (DEFAULT_STRATEGY), or chain for a draft with another tokenizer.
 
     Up to `max_batch` generations run together (continuous batching, serving/scheduler.py); `queue_size` (>= 1)
     requests may wait for a place, more get 429. The worker thread starts with the first request and stops
     at the app's shutdown. Raises SpeculorError for a bad strategy, queue size or batch size.
     """
+    if strategy is None and pair.draft_tokenizer is not None:  # a draft with another tokenizer drafts chains
+        strategy = "chain"
     if strategy is None:
         strategy, options = DEFAULT_STRATEGY[0], {**DEFAULT_STRATEGY[1], **options}
     sp = Speculor(pair, strategy=strategy, **options)
