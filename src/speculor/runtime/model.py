@@ -88,11 +88,9 @@ class Model:
         for i in range(0, len(tokens), PREFILL_ROWS):
             chunk = Block(b.cache, tokens[i:i + PREFILL_ROWS], None, b.hidden, b.append or i > 0, b.last)
             parts.append(self.forward([chunk], apart=apart)[0])
-        if b.last:
-            return parts[-1]
-        if b.hidden:
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        return torch.cat(parts)
+        logits = [p[0] if b.hidden else p for p in parts]
+        out = logits[-1] if b.last else torch.cat(logits)
+        return (out, torch.cat([p[1] for p in parts])) if b.hidden else out
 
     def _masks(self, region: torch.Tensor, past: int, start: int) -> dict[int | None, torch.Tensor]:
         """The additive masks of rows start.. of a region, one per distinct layer window."""
