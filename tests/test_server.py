@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,30 +20,12 @@ import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from support.server import CONTEXT, TEXTS, live_server, tiny_pair
+from support.server import CONTEXT, TEXTS, hold_target, live_server, queued, tiny_pair, wait_for
 
 from speculor import Pair, SamplingConfig, Speculor, SpeculorError
 from speculor.api import Generation
 from speculor.bench import loadtest
 from speculor.serving.app import create_app
-
-
-@contextmanager
-def hold_target(pair: Pair) -> Iterator[None]:
-    """While held, every target forward on `pair` waits: the server's running job blocks, later ones queue."""
-    gate = threading.Event()
-    forward = pair.target.forward
-
-    def gated(*args, **kwargs):
-        gate.wait(60)
-        return forward(*args, **kwargs)
-
-    pair.target.forward = gated
-    try:
-        yield
-    finally:
-        del pair.target.forward
-        gate.set()
 
 
 @pytest.fixture(scope="module")
@@ -361,19 +342,6 @@ def test_loadtest_reference_round_and_plot(url: str, tmp_path) -> None:
 
 # ------------------------------------------------------------------------------------- queue and cancel
 
-def _wait(cond, what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def _queued(http: httpx.Client) -> tuple[bool, int]:
-    """(a generation is running, requests waiting)."""
-    health = http.get("/health").json()
-    return health["running"], health["queue_depth"]
-
-
 def test_requests_are_served_in_arrival_order(pair: Pair, http: httpx.Client, caplog) -> None:
     """Jobs queued behind a held engine join the batch first-come first-served, each with its own answer."""
     caplog.set_level("INFO", logger="speculor.serving.app")
@@ -389,7 +357,7 @@ def test_requests_are_served_in_arrival_order(pair: Pair, http: httpx.Client, ca
     with hold_target(pair):
         for i, t in enumerate(threads):
             t.start()
-            _wait(lambda i=i: _queued(http) == (True, i), f"request {i} to queue")
+            wait_for(lambda i=i: queued(http) == (True, i), f"request {i} to queue")
     for t in threads:
         t.join(30)
     assert [answers[i]["choices"][0]["text"] for i in range(len(prompts))] == expected
@@ -412,10 +380,10 @@ def test_full_queue_answers_429(pair: Pair) -> None:
         with hold_target(pair):
             first = threading.Thread(target=post, args=("first",))
             first.start()
-            _wait(lambda: http.get("/health").json()["running"], "the first job to start")
+            wait_for(lambda: http.get("/health").json()["running"], "the first job to start")
             second = threading.Thread(target=post, args=("second",))
             second.start()
-            _wait(lambda: http.get("/health").json()["queue_depth"] == 1, "the second job to queue")
+            wait_for(lambda: http.get("/health").json()["queue_depth"] == 1, "the second job to queue")
             r = http.post("/v1/completions", json=body)
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
@@ -443,7 +411,7 @@ def test_disconnect_cancels_generation(pair: Pair, url: str, http: httpx.Client,
     with httpx.Client(base_url=url, timeout=30) as own, own.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert [next(lines) for _ in range(3)]
-    _wait(lambda: _cancelled(http) == before + 1, "the cancelled generation to end")
+    wait_for(lambda: _cancelled(http) == before + 1, "the cancelled generation to end")
     generated = metrics(http)[("speculor_generated_tokens_total", ())] - tokens_before
     assert 0 < generated < max_tokens // 4
     assert any("cancelled" in rec.getMessage() for rec in caplog.records)
@@ -458,7 +426,7 @@ def test_non_streaming_disconnect_cancels(url: str, http: httpx.Client) -> None:
     body = {"prompt": "Hello", "max_tokens": CONTEXT - 64, "temperature": 0}
     with httpx.Client(base_url=url, timeout=0.5) as own, pytest.raises(httpx.ReadTimeout):
         own.post("/v1/completions", json=body)
-    _wait(lambda: _cancelled(http) == before + 1, "the cancelled generation to end")
+    wait_for(lambda: _cancelled(http) == before + 1, "the cancelled generation to end")
     assert_serving(http)
 
 
@@ -518,7 +486,7 @@ def test_concurrent_requests_share_one_batch(pair: Pair) -> None:
         with hold_target(pair):  # the first prefill waits, the others queue: then they join one by one
             for i, t in enumerate(threads):
                 t.start()
-                _wait(lambda i=i: _queued(http) == (1, i), f"request {i} to queue")
+                wait_for(lambda i=i: queued(http) == (1, i), f"request {i} to queue")
         for t in threads:
             t.join(60)
         steps = metrics(http)

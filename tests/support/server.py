@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import torch
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -77,3 +78,34 @@ def live_server(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextmanager
+def hold_target(pair: Pair) -> Iterator[None]:
+    """While held, every target forward on `pair` waits: the server's running job blocks, later ones queue."""
+    gate = threading.Event()
+    forward = pair.target.forward
+
+    def gated(*args, **kwargs):
+        gate.wait(60)
+        return forward(*args, **kwargs)
+
+    pair.target.forward = gated
+    try:
+        yield
+    finally:
+        del pair.target.forward
+        gate.set()
+
+
+def wait_for(cond, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def queued(http: httpx.Client) -> tuple[bool, int]:
+    """(a generation is running, requests waiting)."""
+    health = http.get("/health").json()
+    return health["running"], health["queue_depth"]
