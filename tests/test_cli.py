@@ -124,7 +124,8 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
     import speculor.api
 
     seen = []
-    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: "pair")
+    pair = types.SimpleNamespace(draft_tokenizer=None)  # a pair whose draft shares the target's tokenizer
+    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: pair)
 
     class Recorder:
         def __init__(self, pair, strategy, **options):
@@ -136,8 +137,8 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
     assert cli.main(["generate", "--prompt", "hi", "--strategy", "specdecpp", "--k-min", "3",
                      "--threshold", "0.5"]) == 2
     assert cli.main(["generate", "--prompt", "hi"]) == 2
-    assert seen == [("pair", "sequoia", {"budget": "auto", "depth": 5}),
-                    ("pair", "specdecpp", {"threshold": 0.5, "k_min": 3}), ("pair", "chain", {})]
+    assert seen == [(pair, "sequoia", {"budget": "auto", "depth": 5}),
+                    (pair, "specdecpp", {"threshold": 0.5, "k_min": 3}), (pair, "chain", {})]
 
     served = []
     fake = types.ModuleType("speculor.serving.app")
@@ -146,9 +147,9 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "speculor.serving.app", fake)
     assert cli.main(["serve", "--strategy", "topk-tree", "--k", "3", "--budget", "12", "--port", "1"]) == 0
     assert cli.main(["serve", "--depth", "4", "--max-batch", "16"]) == 0  # the default: dyspec, budget auto
-    assert served == [("pair", {"host": "127.0.0.1", "port": 1, "strategy": "topk-tree", "queue_size": 64,
+    assert served == [(pair, {"host": "127.0.0.1", "port": 1, "strategy": "topk-tree", "queue_size": 64,
                                 "max_batch": 8, "k": 3, "budget": 12}),
-                      ("pair", {"host": "127.0.0.1", "port": 8000, "strategy": "dyspec", "queue_size": 64,
+                      (pair, {"host": "127.0.0.1", "port": 8000, "strategy": "dyspec", "queue_size": 64,
                                 "max_batch": 16, "budget": "auto", "depth": 4})]
 
 
