@@ -20,7 +20,7 @@ import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from support.server import CONTEXT, TEXTS, hold_target, live_server, queued, tiny_pair, wait_for
+from support.server import CONTEXT, TEXTS, hold_target, live_server, post_together, queued, tiny_pair, wait_for
 
 from speculor import Pair, SamplingConfig, Speculor, SpeculorError
 from speculor.api import Generation
@@ -482,13 +482,7 @@ def test_concurrent_requests_share_one_batch(pair: Pair) -> None:
                 body["speculative"] = specs[i]
             answers[i] = http.post("/v1/completions", json=body).json()
 
-        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
-        with hold_target(pair):  # the first prefill waits, the others queue: then they join one by one
-            for i, t in enumerate(threads):
-                t.start()
-                wait_for(lambda i=i: queued(http) == (1, i), f"request {i} to queue")
-        for t in threads:
-            t.join(60)
+        post_together(pair, http, post, 4, timeout=60)
         steps = metrics(http)
     sp = Speculor(pair)
     for i in range(4):

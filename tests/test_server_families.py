@@ -4,12 +4,10 @@ it alone."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
 from support.families import FAMILIES, family_model
-from support.server import TEXTS, hold_target, live_server, queued, tiny_tokenizer, wait_for
+from support.server import TEXTS, live_server, post_together, tiny_tokenizer
 from support.tiny import perturbed
 
 from speculor import Model, Pair, SamplingConfig, Speculor
@@ -35,13 +33,7 @@ def test_two_overlapping_requests_each_get_their_answer_alone(name):
             body = {"prompt": TEXTS[i], "max_tokens": 20, "speculative": spec, **sampling}
             answers[i] = http.post("/v1/completions", json=body).json()
 
-        threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
-        with hold_target(pair):  # the first waits in its prefill, the second queues: then they run together
-            for i, t in enumerate(threads):
-                t.start()
-                wait_for(lambda i=i: queued(http) == (1, i), f"request {i} to queue")
-        for t in threads:
-            t.join(120)
+        post_together(pair, http, post, 2)
     sp = Speculor(pair)
     for i, (sampling, spec) in enumerate(REQUESTS):
         options = {k: v for k, v in spec.items() if k != "strategy"}

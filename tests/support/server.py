@@ -109,3 +109,15 @@ def queued(http: httpx.Client) -> tuple[bool, int]:
     """(a generation is running, requests waiting)."""
     health = http.get("/health").json()
     return health["running"], health["queue_depth"]
+
+
+def post_together(pair: Pair, http: httpx.Client, post, n: int, timeout: float = 120) -> None:
+    """Run post(i) for i < n in threads whose requests end up in one batch: while the target is held the first waits
+    in its prefill and the others queue in order; then they join the batch one by one."""
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    with hold_target(pair):
+        for i, t in enumerate(threads):
+            t.start()
+            wait_for(lambda i=i: queued(http) == (1, i), f"request {i} to queue")
+    for t in threads:
+        t.join(timeout)

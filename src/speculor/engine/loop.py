@@ -138,10 +138,10 @@ def settle(req: Request, tree: DraftTree, logits: torch.Tensor) -> Verdict:
     cfg = req.cfg
     logits = adjusted(logits, cfg, req.seq, req.produced, tree)  # the request's bias and penalties, row by row
     verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
+    rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted path, in block rows
     if cfg.logprobs is not None:  # token path[j] was chosen at the row of its parent, the last token below the path
-        rows = [0] + [i + 1 for i in verdict.path]
         req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
-    req.cache.keep([0] + [i + 1 for i in verdict.path])
+    req.cache.keep(rows)
     if req.drafter is not None:
         req.drafter.observe(len(req.seq), verdict)
     return verdict

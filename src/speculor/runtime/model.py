@@ -136,8 +136,7 @@ class Model:
         segments, ids, positions, regions = self._stack(blocks, lean=False)
         batch = batched.Batch(tuple(segments), self.windows)
         rows = [torch.arange(s.stop - 1 if s.last else s.start, s.stop) for s in segments]
-        some = any(s.last for s in segments)
-        keep = torch.cat(rows).to(self.device) if some else 0  # the rows whose logits are made
+        keep = torch.cat(rows).to(self.device) if any(s.last for s in segments) else 0  # the rows whose logits are made
         out = self.model(input_ids=ids[None], position_ids=positions, attention_mask=batched.PREPARED,
                          cache=batched.BatchWriter(batch), use_cache=True, speculor_batch=batch,
                          output_hidden_states=any(b.hidden for b in blocks), logits_to_keep=keep)
@@ -145,7 +144,7 @@ class Model:
         result, at = [], 0
         for b, s, r, region in zip(blocks, segments, rows, regions, strict=True):
             s.cache.pending = region
-            lg = logits[at:at + len(r)] if some else logits[s.start:s.stop]
+            lg = logits[at:at + len(r)]  # logits hold the kept rows in order (all rows when none is `last`)
             at += len(r)
             result.append((lg, out.hidden_states[-1][0, s.start:s.stop]) if b.hidden else lg)
         return result
