@@ -148,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(pr)
 
     _add_train_head_parser(sub)
+    _add_boost_tune_parser(sub)
     _add_tune_threshold_parser(sub)
 
     sub.add_parser("fetch-models", help="download and convert the embedded model pair and prompt sets")
@@ -194,6 +195,36 @@ def _add_train_head_parser(sub) -> None:
     _add_model_args(t)
 
 
+def _add_boost_tune_parser(sub) -> None:
+    t = sub.add_parser("boost-tune", help="SpecInfer's boost-tuning: train a pool of cheap heads on the target's "
+                       "hidden states (the eagle and specinfer:drafters=boosted strategies)")
+    t.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
+    t.add_argument("--feature-source", choices=("transformers",), default="transformers",
+                   help="what computes the target's features: transformers (batched, --device)")
+    t.add_argument("--device", default="cpu", help="cpu or cuda")
+    t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    t.add_argument("--conversations", type=int, default=400, help="ShareGPT conversations teacher-forced")
+    t.add_argument("--max-len", type=int, default=1024, help="tokens per conversation at most")
+    t.add_argument("--selfgen", type=int, default=64, help="ShareGPT prompts the target answers itself (greedy)")
+    t.add_argument("--heldout", type=int, default=40, help="MT-Bench and HumanEval prompts each, held out")
+    t.add_argument("--answer-tokens", type=int, default=128, help="tokens of each held-out answer")
+    t.add_argument("--vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent tokens")
+    t.add_argument("--width", type=int, default=256)
+    t.add_argument("--ffn", type=int, default=512)
+    t.add_argument("--blocks", type=int, default=2)
+    t.add_argument("--ssms", type=int, default=3, help="heads in the pool")
+    t.add_argument("--steps", type=int, default=2000, help="optimizer steps per head")
+    t.add_argument("--batch", type=int, default=512)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--hit-weight", type=float, default=0.1, help="boosting: weight of positions already predicted")
+    t.add_argument("--minutes", type=float, default=None, help="stop each head's training after this long")
+    t.add_argument("--tokens-per-batch", type=int, default=8192, help="teacher forcing: tokens per forward")
+    t.add_argument("--prepared", default=None, help="read the token ids from this file (--save-prepared)")
+    t.add_argument("--save-prepared", default=None, help="write the token ids to this file and stop")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default=None, help="the pool's folder")
+
+
 def _add_tune_threshold_parser(sub) -> None:
     u = sub.add_parser("tune-threshold", help="SpecDec++: pick the stopping threshold h by measured tokens/s")
     u.add_argument("--head", default=None, help="head file (default: the packaged head)")
@@ -212,7 +243,8 @@ def _add_tune_threshold_parser(sub) -> None:
 
 
 COMMANDS = {name: getattr(commands, "cmd_" + name.replace("-", "_"))
-            for name in ("generate", "bench", "calibrate", "profile", "train-head", "tune-threshold", "fetch-models",
+            for name in ("generate", "bench", "calibrate", "profile", "train-head", "boost-tune", "tune-threshold",
+                         "fetch-models",
                          "serve", "loadtest")}
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)

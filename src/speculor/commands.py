@@ -150,6 +150,72 @@ def cmd_train_head(args: Args) -> None:
     print(f"saved {out} (+ .json) and {plot}")
 
 
+def cmd_boost_tune(args: Args) -> None:
+    """SpecInfer's boost-tuning of a pool of EAGLE-style heads (methods/boost_tune.py)."""
+    import datetime
+    import platform
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from speculor.methods import boost_tune as bt
+    from speculor.runtime import embedded
+    from speculor.runtime.eagle_head import EagleConfig
+
+    args.target = embedded.named(args.target, None)[0]
+    if args.prepared:
+        data = torch.load(args.prepared)
+    else:
+        tokenizer = _tokenizer(args.target)
+        data = bt.prepare(tokenizer, conversations=args.conversations, max_len=args.max_len, selfgen=args.selfgen,
+                          heldout=args.heldout, vocab=args.vocab)
+    if args.save_prepared:
+        torch.save(data, args.save_prepared)
+        print(f"saved the prepared ids to {args.save_prepared}: {len(data['train'])} conversations, "
+              f"{sum(len(i) for i, _ in data['train'])} tokens, {len(data['selfgen'])} self-generation prompts")
+        return
+    dtype = getattr(torch, "bfloat16" if args.dtype == "auto" and args.device.startswith("cuda") else
+                    "float32" if args.dtype == "auto" else args.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    source = _feature_source(args, dtype)
+    cfg = EagleConfig(source.hidden_size, width=args.width, ffn=args.ffn, blocks=args.blocks, vocab=len(data["ids"]))
+    train = bt.TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, hit_weight=args.hit_weight,
+                           seconds=args.minutes * 60 if args.minutes else None)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    plan = bt.Plan(cfg, train, ssms=args.ssms, seed=args.seed, manifest={
+        "what": "a pool of EAGLE-style heads boost-tuned on the target's own distribution (SpecInfer)",
+        "target": args.target, "feature_source": args.feature_source, "dtype": str(dtype).removeprefix("torch."),
+        "where": f"{device}, torch {torch.__version__}", "made": datetime.date.today().isoformat(),
+        "command": "speculor boost-tune " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [])})
+    torch.manual_seed(args.seed)
+    manifest = bt.run(source, data, plan, Path(args.out), answer_tokens=args.answer_tokens, dtype=dtype)
+    print(json.dumps(manifest["heldout"], indent=1))
+    print(f"saved the pool of {args.ssms} heads to {args.out} ({manifest['seconds']:.0f} s)")
+
+
+def _tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    from speculor.runtime.loading import resolve
+
+    folder, gguf = resolve(spec)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+
+
+def _feature_source(args: Args, dtype):
+    from speculor.methods import boost_tune as bt
+
+    if args.feature_source == "transformers":
+        from speculor.runtime.loading import load_model
+
+        model, _ = load_model(args.target, device=args.device, dtype=dtype)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return bt.HFSource(model, tokens_per_batch=args.tokens_per_batch)
+    raise SpeculorError(f"unknown feature source {args.feature_source!r}")
+
+
 def cmd_tune_threshold(args: Args) -> None:
     from pathlib import Path
 
