@@ -29,17 +29,16 @@ from support.exact import (
     as_tensor,
     iid_draws,
     l1,
+    merged_law,
     real_law,
-    source_outcomes,
     swor_draws,
     target_law,
     top_k,
-    tree_p,
     tv,
 )
 
 import speculor.core.verify as verify
-from speculor.core.tree import DraftTree, merge
+from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict, accept_at_node, verify_greedy, verify_sampled
 
 CASES = ["random", "q_zeros", "q_eq_p", "disjoint", "top_p"]
@@ -380,33 +379,6 @@ def test_sampled_point_mass_p_matches_greedy():
 
 
 # ---------------------------------------------------------------- merged trees: several drafters, mixed kinds (§2, §3)
-
-
-def drop_ghosts(tree: DraftTree) -> DraftTree:
-    """A biased 'merge': sampled repeats of a sibling (the ghost leaves) deleted instead of verified."""
-    keep, seen = [], set()
-    for i in range(len(tree)):
-        key = (int(tree.parents[i]), int(tree.tokens[i]))
-        if key not in seen:
-            keep.append(i)
-            seen.add(key)
-    index = {old: new for new, old in enumerate(keep)}
-    parents = [index[int(tree.parents[i])] if tree.parents[i] >= 0 else -1 for i in keep]
-    return DraftTree(tree.tokens[keep], torch.tensor(parents), tree.q[keep], tree.draw,
-                     None if tree.kinds is None else tuple(tree.kinds[i] for i in keep), tree.groups[keep])
-
-
-def merged_law(t: Tables, sources: list[tuple[dict, tuple[int, ...], str]], n: int, biased: bool = False):
-    """Law of the first n tokens of one step verifying merge(sources' trees), every draft outcome enumerated."""
-    law: dict[tuple[int, ...], float] = defaultdict(float)
-    for combo in itertools.product(*(list(source_outcomes(*s)) for s in sources)):
-        weight = math.prod(w for _, w in combo)
-        merged = merge([tr for tr, _ in combo]).tree
-        if biased:
-            merged = drop_ghosts(merged)
-        for out, prob in real_law(merged, tree_p(t, merged)).items():
-            law[out] += weight * prob
-    return as_tensor(law, t, n)
 
 
 @pytest.mark.parametrize(("case", "v"), [("random", 4), ("random", 5), ("q_zeros", 5), ("top_p", 5)])

@@ -74,6 +74,7 @@ def _add_strategy_args(p: argparse.ArgumentParser, default: str | None = "chain"
     opt("--threshold", "specdecpp: stop when 1 - prod P̂ > h (default: tuned); dyspec: smallest draw value drawn "
         "(default: steered)", type=float)
     opt("--head", "head file (default: the packaged head)")
+    opt("--heads", "a pool folder made by `speculor boost-tune` (default: the shipped pool, for the embedded target)")
     opt("--k-min", "fewest draft tokens per step (default 2)", type=int)
     opt("--k-max", "most draft tokens per step (default 20)", type=int)
 

@@ -18,15 +18,16 @@ Args = Any  # the argparse.Namespace of the command
 # The registered strategies and, per strategy option of `generate` and `serve`, the strategies that take it, as
 # `speculor.drafters.registry` says (BUILDERS, options_of; tests/test_cli.py checks that they agree). Spelled out
 # here so that `--help` needs no import of the registry, which imports torch.
-STRATEGIES = ("plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd")
+STRATEGIES = ("plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle")
 TAKEN_BY = {
     "k": ("chain", "ngram", "topk-tree", "gsd"),
-    "budget": ("sequoia", "ngram", "dyspec", "topk-tree", "gsd"),
-    "depth": ("sequoia", "dyspec", "topk-tree", "gsd"),
+    "budget": ("sequoia", "ngram", "dyspec", "topk-tree", "gsd", "eagle"),
+    "depth": ("sequoia", "dyspec", "topk-tree", "gsd", "eagle"),
     "width": ("sequoia",),
     "acc": ("sequoia",),
-    "threshold": ("specdecpp", "dyspec"),
+    "threshold": ("specdecpp", "dyspec", "eagle"),
     "head": ("specdecpp",),
+    "heads": ("specinfer", "eagle"),
     "k_min": ("specdecpp",),
     "k_max": ("specdecpp",),
 }

@@ -20,7 +20,7 @@ import torch
 import speculor.core.verify as verify
 from speculor.config import SamplingConfig
 from speculor.core.sampling import warp
-from speculor.core.tree import DraftTree, path_to
+from speculor.core.tree import DraftTree, merge, path_to
 from speculor.core.verify import verify_sampled
 
 F64 = torch.float64
@@ -224,3 +224,33 @@ def tree_p(t: Tables, tree: DraftTree) -> torch.Tensor:
     """Block rows of p for a tree: p(.|ctx(root)) then p(.|ctx(node i))."""
     ctxs = [tuple(int(tree.tokens[j]) for j in path_to(tree.parents, i)) for i in range(len(tree))]
     return torch.stack([t.p[()]] + [t.p[c] for c in ctxs])
+
+
+# ---------------------------------------------------------------- merged trees: several drafters, mixed kinds (§2, §3)
+
+
+def drop_ghosts(tree: DraftTree) -> DraftTree:
+    """A biased 'merge': sampled repeats of a sibling (the ghost leaves) deleted instead of verified."""
+    keep, seen = [], set()
+    for i in range(len(tree)):
+        key = (int(tree.parents[i]), int(tree.tokens[i]))
+        if key not in seen:
+            keep.append(i)
+            seen.add(key)
+    index = {old: new for new, old in enumerate(keep)}
+    parents = [index[int(tree.parents[i])] if tree.parents[i] >= 0 else -1 for i in keep]
+    return DraftTree(tree.tokens[keep], torch.tensor(parents), tree.q[keep], tree.draw,
+                     None if tree.kinds is None else tuple(tree.kinds[i] for i in keep), tree.groups[keep])
+
+
+def merged_law(t: Tables, sources: list[tuple[dict, tuple[int, ...], str]], n: int, biased: bool = False):
+    """Law of the first n tokens of one step verifying merge(sources' trees), every draft outcome enumerated."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    for combo in itertools.product(*(list(source_outcomes(*s)) for s in sources)):
+        weight = math.prod(w for _, w in combo)
+        merged = merge([tr for tr, _ in combo]).tree
+        if biased:
+            merged = drop_ghosts(merged)
+        for out, prob in real_law(merged, tree_p(t, merged)).items():
+            law[out] += weight * prob
+    return as_tensor(law, t, n)

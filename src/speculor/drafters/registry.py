@@ -17,6 +17,7 @@ from speculor.drafters.base import Shared, Strategy
 from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.cross_vocab import CrossVocabDrafter
 from speculor.drafters.dyspec import make_dyspec
+from speculor.drafters.eagle import make_eagle
 from speculor.drafters.gsd import make_gsd
 from speculor.drafters.sequoia import make_sequoia
 from speculor.drafters.specdecpp import make_specdecpp
@@ -48,6 +49,7 @@ BUILDERS: dict[str, Callable[..., Strategy | None]] = {
     "dyspec": make_dyspec,  # options: variant, budget (int or "auto"), threshold, depth, temperature, batch
     "topk-tree": make_topk_tree,  # options: budget, depth, k (see topk_tree.TopkOptions)
     "gsd": make_gsd,  # options: n, k, sibling_threshold, prob_threshold, depth, budget (see gsd.GSDOptions)
+    "eagle": make_eagle,  # options: budget (int or "auto"), depth, threshold, heads (see eagle.make_eagle)
 }
 
 

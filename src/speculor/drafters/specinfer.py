@@ -12,7 +12,9 @@ Options are given as Python values or as strings the bench/CLI can pass (no ',' 
     expansion   "1-1-3-1-1-1-1-1", "1,1,3", "4", a tuple (1, 1, 3) or an int
     drafters    items joined by '+' or ',', or a sequence: "draft" (the draft model at the sampling
                 temperature), "draft@T" (the draft model drawing at temperature T > 0, with its own cache),
-                "ngram" (prompt lookup, chains as deep as the expansion), or any Drafter object
+                "ngram" (prompt lookup, chains as deep as the expansion), "boosted" (every SSM of the
+                boost-tuned pool on the target's features, drafters/eagle.py), or any Drafter object
+    heads       the pool's folder for "boosted" (default: the shipped pool of the embedded target)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from speculor.runtime.cost import machine_cost
 from speculor.runtime.loading import Pair
 
 PAPER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's experiments
+BOOSTED_EXPANSION = (1, 1)  # with drafters=boosted: a chain of 2 per SSM (the pool's heads, 3 by default, add up)
 MAX_NODES = 512  # draft tokens per step
 
 
@@ -61,7 +64,7 @@ def parse_expansion(spec: str | int | Sequence[int]) -> tuple[int, ...]:
 
 
 def parse_drafters(spec: str | Sequence[Any]) -> list[Any]:
-    """Drafter items: ("draft", None), ("draft", T), ("ngram", None), or Drafter objects as given."""
+    """Drafter items: ("draft", None), ("draft", T), ("ngram", None), ("boosted", None), or Drafter objects."""
     items = re.split(r"[+,]", spec) if isinstance(spec, str) else list(spec)
     out: list[Any] = []
     for item in items:
@@ -70,10 +73,10 @@ def parse_drafters(spec: str | Sequence[Any]) -> list[Any]:
                 raise SpeculorError(f"not a drafter: {item!r}")
             out.append(item)
             continue
-        m = re.fullmatch(r"\s*(draft|ngram)\s*(?:@\s*([0-9.eE+-]+))?\s*", item)
+        m = re.fullmatch(r"\s*(draft|ngram|boosted)\s*(?:@\s*([0-9.eE+-]+))?\s*", item)
         temperature = _positive(m.group(2)) if m and m.group(2) else None
         if not m or (m.group(2) and (m.group(1) != "draft" or temperature is None)):
-            raise SpeculorError(f"bad drafter {item!r}: use 'draft', 'draft@T' (T > 0) or 'ngram'")
+            raise SpeculorError(f"bad drafter {item!r}: use 'draft', 'draft@T' (T > 0), 'ngram' or 'boosted'")
         out.append((m.group(1), temperature))
     if not out:
         raise SpeculorError("drafters is empty")
@@ -88,27 +91,40 @@ def _positive(text: str) -> float | None:
     return t if 0 < t < 1e6 else None
 
 
-def make_specinfer(pair: Pair, expansion: str | int | Sequence[int] = PAPER_EXPANSION,
-                   drafters: str | Sequence[Any] = "draft") -> Shared:
+def make_specinfer(pair: Pair, expansion: str | int | Sequence[int] | None = None,
+                   drafters: str | Sequence[Any] = "draft", heads: str | None = None) -> Shared:
     """Builder of the `specinfer` strategy (see the module docstring). Each request gets its own drafters (every
     model drafter with its own draft cache); a Strategy given among `drafters` makes one per request too, a
-    Drafter object given as is serves every request (the caller's choice)."""
-    ks = parse_expansion(expansion)
+    Drafter object given as is serves every request (the caller's choice). Default expansion: the paper's, or
+    BOOSTED_EXPANSION with the boosted pool."""
     items = parse_drafters(drafters)
+    boosted = any(isinstance(i, tuple) and i[0] == "boosted" for i in items)
+    ks = parse_expansion(expansion if expansion is not None else BOOSTED_EXPANSION if boosted else PAPER_EXPANSION)
     if pair.draft is None and any(isinstance(i, tuple) and i[0] == "draft" for i in items):
         raise SpeculorError("strategy 'specinfer' with a 'draft' drafter needs a draft model")
-    return Shared(partial(_specinfer_drafter, pair.draft, expansion_shape(list(ks)), len(ks), items))
+    if heads is not None and not boosted:
+        raise SpeculorError("specinfer's heads option is for drafters=boosted")
+    pool = None
+    if boosted:
+        from speculor.drafters.eagle import pool as load_pool
+
+        pool = load_pool(pair, heads)
+    return Shared(partial(_specinfer_drafter, pair.draft, expansion_shape(list(ks)), len(ks), items, pool))
 
 
-def _specinfer_drafter(draft: Backend | None, shape: list[int], depth: int, items: list[Any]) -> Drafter:
+def _specinfer_drafter(draft: Backend | None, shape: list[int], depth: int, items: list[Any], pool=None) -> Drafter:
     subs: list[Drafter] = []
     for item in items:
         if not isinstance(item, tuple):
             subs.append(item.drafter() if hasattr(item, "drafter") else item)
         elif item[0] == "ngram":
             subs.append(NgramDrafter(k=depth))
-        else:
+        elif item[0] == "draft":
             subs.append(TreeDrafter(draft, shape, "iid", temperature=item[1]))
+    if pool is not None:  # the pool's SSMs first, over one store of the request's features
+        from speculor.drafters.eagle import boosted_drafter
+
+        return boosted_drafter(pool, lambda view: TreeDrafter(view, shape, "iid"), subs)
     return subs[0] if len(subs) == 1 else MergedDrafter(subs)
 
 

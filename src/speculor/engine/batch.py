@@ -23,7 +23,18 @@ from dataclasses import dataclass
 from speculor.config import SamplingConfig
 from speculor.drafters.base import Drafter
 from speculor.engine.drafting import Book, propose_all
-from speculor.engine.loop import Request, Stats, Token, block, emit, record, settle, start
+from speculor.engine.loop import (
+    Request,
+    Stats,
+    Token,
+    block,
+    emit,
+    keep_features,
+    reads_features,
+    record,
+    settle,
+    start,
+)
 from speculor.runtime.backend import Backend, Block
 
 
@@ -52,12 +63,13 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
     share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
-    blocks = [Block(a.req.cache, chunks[id(a)]) for a in filling]
+    blocks = [Block(a.req.cache, chunks[id(a)], hidden=reads_features(a.req)) for a in filling]
     t1 = time.perf_counter()
     all_logits = target.forward(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
     t2 = time.perf_counter()
     emitted: dict[int, list[Token]] = {}
-    for a in filling:
+    for a, out in zip(filling, all_logits, strict=False):
+        keep_features(a.req, len(a.req.seq) - 1 - a.req.unfilled, out)
         n = len(chunks[id(a)])
         a.req.cache.keep(list(range(n)))
         a.req.unfilled -= n

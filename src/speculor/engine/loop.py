@@ -98,8 +98,9 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
     req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats, unfilled=len(prompt) - 1)
     if drafter is not None:
         drafter.reset()
-    if prefill and req.unfilled:
-        forward1(target, req.cache, prompt[:-1], last=True)  # its logits are not needed: the first step scores the root
+    if prefill and req.unfilled:  # its logits are not needed: the first step scores the root
+        out = forward1(target, req.cache, prompt[:-1], last=True, hidden=reads_features(req))
+        keep_features(req, 0, out)
         req.cache.keep(list(range(req.unfilled)))
         req.unfilled = 0
     stats.prefill_s = time.perf_counter() - t0
@@ -128,17 +129,39 @@ def propose(req: Request) -> DraftTree:
 
 
 def block(req: Request, tree: DraftTree) -> Block:
-    """What the target forwards for a request: its cache, [root] + the tree's tokens, their block parents."""
-    return Block(req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents))
+    """What the target forwards for a request: its cache, [root] + the tree's tokens, their block parents (and
+    its last hidden states, for a drafter that reads them)."""
+    return Block(req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents),
+                 hidden=reads_features(req))
 
 
-def settle(req: Request, tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    """Verify a request's tree against the target's logits for it, commit the accepted path, tell its drafter."""
+def reads_features(req: Request) -> bool:
+    """Whether the request's drafter reads the target's features (a `store`: drafters/eagle.py)."""
+    return getattr(req.drafter, "store", None) is not None
+
+
+def keep_features(req: Request, start: int, out, rows: list[int] | None = None) -> torch.Tensor:
+    """The logits of a target forward's result; its hidden states (`rows` of them, all by default), if any, go
+    to the drafter's store as the features of positions start, start + 1, ..."""
+    if not isinstance(out, tuple):
+        return out
+    logits, hidden = out
+    hidden = hidden if rows is None else hidden[rows]
+    req.drafter.store.put(start, hidden)
+    return logits
+
+
+def settle(req: Request, tree: DraftTree, out) -> Verdict:
+    """Verify a request's tree against the target's logits for it (`out`: the block's result), commit the accepted
+    path, give the drafter the target's features of the root and the path (where it reads them), tell it."""
+    logits = out[0] if isinstance(out, tuple) else out
     check_finite(logits, "target")
     cfg = req.cfg
     logits = adjusted(logits, cfg, req.seq, req.produced, tree)  # the request's bias and penalties, row by row
     verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
     rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted path, in block rows
+    if isinstance(out, tuple):
+        keep_features(req, len(req.seq) - 1, out, rows)
     if cfg.logprobs is not None:  # token path[j] was chosen at the row of its parent, the last token below the path
         req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
     req.cache.keep(rows)

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from speculor.errors import SpeculorError
 from speculor.runtime.eagle_head import EagleConfig, EagleHead
 
 SKIP = 2000  # ShareGPT records the bench's prompts come from: never trained on
@@ -390,8 +389,8 @@ def boost_tune(plan: Plan, corpus: Corpus, heldout: dict[str, Corpus], ids: torc
 
 def answered(prompts: Sequence[list[int]], answers: Sequence[list[int]]) -> list[Seq]:
     """Prompt + the target's answer, trained / evaluated on the answer's tokens."""
-    return [Seq(p + a, [False] * (len(p) - 1) + [True] * len(a) + [False]) for p, a in zip(prompts, answers, strict=True)
-            if len(a) > DEPTHS]
+    return [Seq(p + a, [False] * (len(p) - 1) + [True] * len(a) + [False])
+            for p, a in zip(prompts, answers, strict=True) if len(a) > DEPTHS]
 
 
 def prepare(tokenizer, *, conversations: int, max_len: int, selfgen: int, heldout: int,
@@ -461,7 +460,8 @@ def run(source: FeatureSource, data: dict[str, Any], plan: Plan, out, *, answer_
         "data": {"sharegpt_records": data.get("sharegpt_records"), "conversations": len(data["train"]),
                  "selfgen_answers": len(seqs) - len(data["train"]), "sequences": len(seqs),
                  "tokens": len(corpus.x), "training_positions": len(corpus.positions),
-                 "heldout": {k: {"prompts": len(v), "answer_tokens": answer_tokens} for k, v in data["heldout"].items()},
+                 "heldout": {k: {"prompts": len(v), "answer_tokens": answer_tokens}
+                             for k, v in data["heldout"].items()},
                  "seconds": round(t_data, 1)}})
     heads, manifest = boost_tune(plan, corpus, heldout, ids, source.embed, source.out_rows, out, drafts=drafts)
     manifest["seconds"] = round(time.perf_counter() - t0, 1)

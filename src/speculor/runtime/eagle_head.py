@@ -177,8 +177,8 @@ class HeadCache:
     """A request's entries for a head, with KVCache's interface (`length`, `pending`, `keep`, `trim`): per pending
     row its parent, token and predicted feature ŝ; `tip` = ŝ of the last committed entry (None: unknown)."""
 
-    def __init__(self, store: FeatureStore) -> None:
-        self.store = store
+    def __init__(self, store: FeatureStore, hidden_size: int) -> None:
+        self.store, self.zero = store, torch.zeros(hidden_size)
         self.length = 0
         self.parents: list[int] = []
         self.depth: list[int] = []
@@ -211,7 +211,7 @@ class HeadCache:
         """Forget every entry from slot n on (pending rows included: only a chain's may be partly kept)."""
         if n < self.length:
             self.length, self.tip = n, None
-        keep = max(n - self.length, 0)
+        keep = min(max(n - self.length, 0), len(self.parents))
         assert self.parents[:keep] == list(range(-1, keep - 1)), "only a chain's pending rows are partly kept"
         del self.parents[keep:], self.depth[keep:], self.tokens[keep:], self.s[keep:]
 
@@ -219,6 +219,8 @@ class HeadCache:
         """What pending row `row`'s token follows: (the target's raw feature, True) where the target computed it,
         else (the predicted standardised one, False); None while unknown."""
         pos = self.length + self.depth[row] - 1
+        if pos < 0:  # the first token has no position before it: the mean feature
+            return self.zero, False
         if (f := self.store.get(pos)) is not None:
             return f, True
         p = self.parents[row]
@@ -249,7 +251,7 @@ class HeadModel:
         return HeadView(self, store)
 
     def new_cache(self) -> HeadCache:
-        return HeadCache(FeatureStore())
+        return HeadCache(FeatureStore(), self.head.cfg.hidden_size)
 
     @torch.inference_mode()
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[torch.Tensor]:
@@ -265,7 +267,8 @@ class HeadModel:
             if not wave:
                 raise SpeculorError("a head row has no feature to start from (the target's features of the "
                                     "committed tokens were not given)")
-            s = torch.stack([self.head.standardize(f.to(self.device)) if raw else f for _, _, (f, raw) in wave])
+            s = torch.stack([self.head.standardize(f.to(self.device)) if raw else f.to(self.device)
+                             for _, _, (f, raw) in wave])
             e = self.embed(torch.tensor([blocks[k].cache.tokens[r] for k, r, _ in wave], dtype=torch.long))
             s_hat, logits = self.head(s, e.to(self.device))
             for j, (k, r, _) in enumerate(wave):
@@ -318,7 +321,7 @@ class HeadView:
         return self.model.cost_key
 
     def new_cache(self) -> HeadCache:
-        return HeadCache(self.store)
+        return HeadCache(self.store, self.model.head.cfg.hidden_size)
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[torch.Tensor]:
         return self.model.forward(blocks, apart=apart)

@@ -105,6 +105,8 @@ class LlamaModel:
         self.eos_ids = frozenset(t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0)
         self.vocab_size = vocab_size or self.n_vocab
         self.context_length = n_ctx
+        self.hidden_size = L.llama_model_n_embd(self.model)
+        self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.device, self.dtype = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         self.free_ids = list(range(GRAVE - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
@@ -164,8 +166,7 @@ class LlamaModel:
         """Per block: logits [n, V] (fp32, host), or [1, V] with `last`. Short blocks packed into calls of at most
         EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always."""
         self.release()
-        if any(b.hidden for b in blocks):
-            raise SpeculorError("the llama.cpp backend gives no hidden states (SpecDec++'s head): use --backend torch")
+        self._embeddings(any(b.hidden for b in blocks))
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
         for i, b in enumerate(blocks):
             rows = self._rows(b)
@@ -180,10 +181,21 @@ class LlamaModel:
                     calls.append([])
                 calls[-1].append(part)
         out: list[list[np.ndarray]] = [[] for _ in blocks]
+        hidden: list[list[np.ndarray]] = [[] for _ in blocks]
         for call in calls:
             if call:
-                self._decode(call, out)
-        return [fit_vocab(torch.from_numpy(np.stack(x)), self.vocab_size) for x in out]
+                self._decode(call, out, hidden)
+        logits = [fit_vocab(torch.from_numpy(np.stack(x)), self.vocab_size) for x in out]
+        return [(lg, torch.from_numpy(np.stack(h))) if b.hidden else lg
+                for b, lg, h in zip(blocks, logits, hidden, strict=True)]
+
+    def _embeddings(self, on: bool) -> None:
+        """llama.cpp's embeddings output on or off: with pooling none, the last hidden state after the final norm
+        of every row whose logits are wanted (the target's features; the logits are the same bits either way,
+        tests/test_llama.py)."""
+        if on != self.embeddings:
+            self.L.llama_set_embeddings(self.ctx, on)
+            self.embeddings = on
 
     def _rows(self, b: Block) -> list[tuple[int, int, list[int]]]:
         """The block's rows as (token, position, sequence ids), its cache's pending bookkeeping updated."""
@@ -214,8 +226,10 @@ class LlamaModel:
         c.pending = torch.tensor(c.parents, dtype=torch.long)
         return [(t, c.length + c.depth[start + i], ids[i]) for i, t in enumerate(tokens)]
 
-    def _decode(self, call: list[tuple[int, list, list[bool]]], out: list[list[np.ndarray]]) -> None:
-        """One llama_decode over the call's rows; the wanted rows' logits appended to out[block]."""
+    def _decode(self, call: list[tuple[int, list, list[bool]]], out: list[list[np.ndarray]],
+                hidden: list[list[np.ndarray]]) -> None:
+        """One llama_decode over the call's rows; the wanted rows' logits appended to out[block] (and their hidden
+        states to hidden[block] while the embeddings output is on)."""
         L, b, k = self.L, self.batch, 0
         for _, rows, want in call:
             for (tok, pos, ids), w in zip(rows, want, strict=True):
@@ -236,6 +250,9 @@ class LlamaModel:
                 if w:
                     out[i].append(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, k), shape=(self.n_vocab,))
                                   .copy())
+                    if self.embeddings:
+                        hidden[i].append(np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, k),
+                                                               shape=(self.hidden_size,)).copy())
                 k += 1
 
 
