@@ -265,3 +265,32 @@ def test_a_seed_gives_the_same_sample_alone_and_in_a_batch(target):
     alone = [[t.id for t in engine.stream(Model(target), m(), p, c)] for m, p, c in zip(makers, prompts, cfgs,
                                                                                           strict=True)]
     assert together == alone
+
+
+# ---------------------------------------------------------------- a pool for another target
+
+
+def test_a_pool_for_another_target_is_refused(tmp_path):
+    from support.tiny import near_pair
+
+    from speculor.drafters.registry import make_strategy
+
+    pair = near_pair("tiny-target", "tiny-draft")
+    with pytest.raises(SpeculorError, match="trained for qwen2.5-coder-1.5b-instruct"):
+        make_strategy("eagle", pair)
+    with pytest.raises(SpeculorError, match="trained for qwen2.5-coder-1.5b-instruct"):
+        make_strategy("specinfer", pair, drafters="boosted")
+    with pytest.raises(SpeculorError, match="cannot load a pool"):
+        make_strategy("eagle", pair, heads=str(tmp_path / "nothing"))
+    save_pool([random_head(0)], tmp_path / "v6", {})  # features of size 6: not the tiny target's
+    with pytest.raises(SpeculorError, match="read features of size 6"):
+        make_strategy("eagle", pair, budget=4, heads=str(tmp_path / "v6"))
+    with pytest.raises(SpeculorError, match="heads option is for drafters=boosted"):
+        make_strategy("specinfer", pair, heads=str(tmp_path / "v6"))
+    size = pair.target.model.config.hidden_size
+    head = EagleHead(EagleConfig(size, width=8, ffn=8, blocks=1, vocab=5), torch.arange(5))
+    save_pool([head], tmp_path / "fits", {})
+    out = [t.id for t in engine.stream(pair.target, make_strategy("eagle", pair, budget=3, heads=str(tmp_path / "fits"))
+                                       .drafter(), [1, 2, 3], SamplingConfig(max_new_tokens=8))]
+    plain = [t.id for t in engine.stream(pair.target, None, [1, 2, 3], SamplingConfig(max_new_tokens=8))]
+    assert out == plain

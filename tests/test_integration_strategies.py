@@ -25,6 +25,8 @@ CASES = [  # (strategy, options, least mean tau, (fewest, most) draft tokens per
     ("topk-tree", {}, 1.5, (None, 16)),
     ("gsd", {}, 1.5, (None, None)),
     ("specdecpp", {}, 1.5, (2, 20)),  # SpecDec++'s (K_min, K_max)
+    ("eagle", {"budget": 4}, 1.2, (None, 4)),  # the shipped heads on the target's features (~0.5 first tokens)
+    ("specinfer", {"drafters": "boosted"}, 1.2, (None, 6)),  # the pool of 3: chains of 2 merged
 ]
 
 

@@ -86,6 +86,22 @@ def test_rows_past_the_limit_in_one_call_differ(draft, monkeypatch):
     assert any(not torch.equal(logits[row], alone(draft, PROMPT + path)) for row, path in PATHS.items())
 
 
+def test_hidden_states_leave_the_logits_unchanged(draft):
+    """The target's features (llama.cpp's embeddings output, switched on for the forward that asks) come with the
+    same logits bits; they are the final-norm states the output matrix reads (logits = W h up to its rounding)."""
+    _, plain = tree_logits(draft)
+    cache = prefilled(draft, PROMPT[:-1])
+    logits, hidden = forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS), hidden=True)
+    assert torch.equal(logits, plain)
+    assert hidden.shape == (len(TREE) + 1, draft.hidden_size)
+    _, again = tree_logits(draft)  # and switched off again
+    assert torch.equal(again, plain)
+    from speculor.runtime.eagle_head import GGUFRows
+
+    rows = GGUFRows(draft.path, ["output.weight", "token_embd.weight"])(torch.arange(2000))
+    assert (hidden @ rows.T - logits[:, :2000]).abs().max() < 0.05 * logits[:, :2000].abs().max()
+
+
 def test_a_tree_grown_by_depth_equals_the_tree_at_once(draft):
     _, whole = tree_logits(draft)
     cache = prefilled(draft, PROMPT[:-1])
@@ -134,7 +150,8 @@ CASES = ["Write a Python function that returns the n-th Fibonacci number.",
 
 
 @pytest.mark.parametrize("strategy, options", [("chain", {"k": 2}), ("ngram", {"budget": "k", "k": 4}),
-                                               ("dyspec", {"budget": 4}), ("dyspec", {"budget": "auto"})])
+                                               ("dyspec", {"budget": 4}), ("dyspec", {"budget": "auto"}),
+                                               ("eagle", {"budget": 3}), ("specinfer", {"drafters": "boosted"})])
 def test_speculative_equals_plain_at_t0(sp, strategy, options):
     cfg = SamplingConfig(max_new_tokens=40)
     for text in CASES:
@@ -199,3 +216,27 @@ def test_the_torch_only_options_are_refused_on_llama_cpp():
         from speculor.runtime.loading import gguf_file
 
         gguf_file("/nonexistent/folder")
+
+
+def test_boost_tuning_runs_on_llama_cpp_features(llama_pair, tmp_path):
+    """The pipeline at a tiny scale on this backend: its features, its greedy answers, a draft compared by depth."""
+    from speculor.methods import boost_tune as bt
+    from speculor.runtime.eagle_head import EagleConfig, load_pool
+
+    tok = llama_pair.tokenizer
+    chat = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                        add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            for q in ("Name a prime number.", "What is 2 + 3?", "Say hello in French.")]
+    data = {"train": [(p + [40, 41, 42, 43, 44, 45, 46], [False] * (len(p) - 1) + [True] * 7 + [False])
+                      for p in chat[:2]], "selfgen": chat[:1], "heldout": {"chat": chat[2:]},
+            "eos": sorted(llama_pair.target.eos_ids), "ids": list(range(1000))}
+    source = bt.BackendSource(llama_pair.target)
+    plan = bt.Plan(EagleConfig(source.hidden_size, width=16, ffn=16, blocks=1, vocab=256),
+                   bt.TrainConfig(steps=4, batch=16, warmup=1), ssms=2)
+    manifest = bt.run(source, data, plan, tmp_path / "pool", answer_tokens=12, selfgen_tokens=8,
+                      draft=llama_pair.draft, dtype=torch.float32)
+    row = manifest["heldout"]["chat"]
+    assert set(row) >= {"ssm1", "ssm2", "pool", "draft"} and row["positions"] > 0
+    assert row["draft"]["acceptance"][0] > 0.3  # the 0.5B draft agrees with its target often
+    heads, _ = load_pool(tmp_path / "pool")
+    assert heads[0].cfg.hidden_size == llama_pair.target.hidden_size

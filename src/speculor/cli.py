@@ -200,8 +200,11 @@ def _add_boost_tune_parser(sub) -> None:
     t = sub.add_parser("boost-tune", help="SpecInfer's boost-tuning: train a pool of cheap heads on the target's "
                        "hidden states (the eagle and specinfer:drafters=boosted strategies)")
     t.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
-    t.add_argument("--feature-source", choices=("transformers",), default="transformers",
-                   help="what computes the target's features: transformers (batched, --device)")
+    t.add_argument("--feature-source", choices=("llama.cpp", "transformers"), default="llama.cpp",
+                   help="what computes the target's features: llama.cpp (the GGUF on this CPU, --threads; the draft's "
+                   "acceptance is measured beside the heads'), transformers (batched on --device: a GPU)")
+    t.add_argument("--draft", default="default", help="llama.cpp: the draft compared on the held-out answers; 'none'")
+    t.add_argument("--threads", type=int, default=None)
     t.add_argument("--device", default="cpu", help="cpu or cuda")
     t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     t.add_argument("--conversations", type=int, default=400, help="ShareGPT conversations teacher-forced")
@@ -209,6 +212,7 @@ def _add_boost_tune_parser(sub) -> None:
     t.add_argument("--selfgen", type=int, default=64, help="ShareGPT prompts the target answers itself (greedy)")
     t.add_argument("--heldout", type=int, default=40, help="MT-Bench and HumanEval prompts each, held out")
     t.add_argument("--answer-tokens", type=int, default=128, help="tokens of each held-out answer")
+    t.add_argument("--selfgen-tokens", type=int, default=256, help="tokens of each self-generated answer")
     t.add_argument("--vocab", type=int, default=8192, help="the head's vocabulary: the N most frequent tokens")
     t.add_argument("--width", type=int, default=256)
     t.add_argument("--ffn", type=int, default=512)
@@ -249,6 +253,7 @@ COMMANDS = {name: getattr(commands, "cmd_" + name.replace("-", "_"))
                          "serve", "loadtest")}
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (a manifest records its command)
     try:
         COMMANDS[args.command](args)
     except SpeculorError as exc:

@@ -162,6 +162,7 @@ def cmd_boost_tune(args: Args) -> None:
 
     from speculor.methods import boost_tune as bt
     from speculor.runtime import embedded
+    from speculor.runtime.assets import cache_dir, slug
     from speculor.runtime.eagle_head import EagleConfig
 
     args.target = embedded.named(args.target, None)[0]
@@ -179,7 +180,7 @@ def cmd_boost_tune(args: Args) -> None:
     dtype = getattr(torch, "bfloat16" if args.dtype == "auto" and args.device.startswith("cuda") else
                     "float32" if args.dtype == "auto" else args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = True
-    source = _feature_source(args, dtype)
+    source, draft = _feature_source(args, dtype)
     cfg = EagleConfig(source.hidden_size, width=args.width, ffn=args.ffn, blocks=args.blocks, vocab=len(data["ids"]))
     train = bt.TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, hit_weight=args.hit_weight,
                            seconds=args.minutes * 60 if args.minutes else None)
@@ -188,11 +189,13 @@ def cmd_boost_tune(args: Args) -> None:
         "what": "a pool of EAGLE-style heads boost-tuned on the target's own distribution (SpecInfer)",
         "target": args.target, "feature_source": args.feature_source, "dtype": str(dtype).removeprefix("torch."),
         "where": f"{device}, torch {torch.__version__}", "made": datetime.date.today().isoformat(),
-        "command": "speculor boost-tune " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [])})
+        "command": "speculor " + shlex.join(getattr(args, "argv", ["boost-tune"]))})
     torch.manual_seed(args.seed)
-    manifest = bt.run(source, data, plan, Path(args.out), answer_tokens=args.answer_tokens, dtype=dtype)
+    out = Path(args.out) if args.out else cache_dir() / "boosted" / slug(Path(args.target).name)
+    manifest = bt.run(source, data, plan, out, answer_tokens=args.answer_tokens, dtype=dtype,
+                      draft=draft, selfgen_tokens=args.selfgen_tokens)
     print(json.dumps(manifest["heldout"], indent=1))
-    print(f"saved the pool of {args.ssms} heads to {args.out} ({manifest['seconds']:.0f} s)")
+    print(f"saved the pool of {args.ssms} heads to {out} ({manifest['seconds']:.0f} s): use it with --heads {out}")
 
 
 def _tokenizer(spec: str):
@@ -205,7 +208,11 @@ def _tokenizer(spec: str):
 
 
 def _feature_source(args: Args, dtype):
+    """(the target's feature source, a draft model to compare with or None)."""
+    import torch
+
     from speculor.methods import boost_tune as bt
+    from speculor.runtime import embedded
 
     if args.feature_source == "transformers":
         from speculor.runtime.loading import load_model
@@ -213,8 +220,15 @@ def _feature_source(args: Args, dtype):
         model, _ = load_model(args.target, device=args.device, dtype=dtype)
         for p in model.parameters():
             p.requires_grad_(False)
-        return bt.HFSource(model, tokens_per_batch=args.tokens_per_batch)
-    raise SpeculorError(f"unknown feature source {args.feature_source!r}")
+        return bt.HFSource(model, tokens_per_batch=args.tokens_per_batch), None
+    from speculor.runtime.llama import LlamaModel
+    from speculor.runtime.loading import gguf_file
+
+    threads = args.threads or torch.get_num_threads()
+    target = LlamaModel(gguf_file(args.target), threads=threads)
+    draft = None if args.draft == "none" else LlamaModel(gguf_file(embedded.named("default", args.draft)[1]),
+                                                         threads=threads)
+    return bt.BackendSource(target), draft
 
 
 def cmd_tune_threshold(args: Args) -> None:

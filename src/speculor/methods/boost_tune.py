@@ -144,6 +144,57 @@ class HFSource(FeatureSource):
         return self.model.get_input_embeddings().weight.detach()[ids.to(self.device)].float()
 
 
+class BackendSource(FeatureSource):
+    """A GGUF target on the llama.cpp backend (runtime/llama.py, its embeddings output): one sequence at a time, in
+    chunks of `chunk` rows; greedy answers by the engine's plain decoding (this backend's own greedy tokens)."""
+
+    def __init__(self, target, chunk: int = 256) -> None:
+        from speculor.runtime.eagle_head import GGUFRows
+
+        self.target, self.chunk = target, chunk
+        self.hidden_size = target.hidden_size
+        self.embed = GGUFRows(target.path, ["token_embd.weight"])
+        self._out = GGUFRows(target.path, ["output.weight", "token_embd.weight"])
+
+    def run(self, seqs, progress: bool = True):
+        from speculor.runtime.backend import Block
+
+        out = []
+        for ids in tqdm(seqs, desc="teacher forcing", unit="seq", disable=not progress):
+            cache, fs, lses, gs = self.target.new_cache(), [], [], []
+            for c in range(0, len(ids), self.chunk):
+                (logits, hidden), = self.target.forward([Block(cache, ids[c:c + self.chunk], hidden=True,
+                                                              append=c > 0)])
+                fs.append(hidden)
+                lses.append(torch.logsumexp(logits.float(), -1))
+                gs.append(logits.argmax(-1))
+            out.append((torch.cat(fs), torch.cat(lses), torch.cat(gs)))
+        return out
+
+    def greedy(self, prompts, max_new, eos):
+        from speculor.config import SamplingConfig
+        from speculor.engine.loop import stream
+
+        cfg = SamplingConfig(max_new_tokens=max_new)
+        return [[t.id for t in stream(self.target, None, p, cfg, frozenset(eos))]
+                for p in tqdm(prompts, desc="greedy answers", unit="prompt")]
+
+    def out_rows(self, ids):
+        return self._out(ids.cpu())
+
+    def greedy_tokens(self, model, seqs: Sequence[list[int]]) -> torch.Tensor:
+        """Another model's (a draft's) greedy token at every position of the sequences, concatenated."""
+        from speculor.runtime.backend import Block
+
+        out = []
+        for ids in seqs:
+            cache = model.new_cache()
+            for c in range(0, len(ids), self.chunk):
+                logits = model.forward([Block(cache, ids[c:c + self.chunk], append=c > 0)])[0]
+                out.append(logits.argmax(-1))
+        return torch.cat(out)
+
+
 @dataclass
 class Corpus:
     """Teacher-forced sequences, concatenated: tokens x [N], features f [N, H], lse [N], greedy g [N] (the target's
@@ -352,7 +403,7 @@ def boost_tune(plan: Plan, corpus: Corpus, heldout: dict[str, Corpus], ids: torc
     the pool and its manifest saved in `out` after each SSM."""
     from pathlib import Path
 
-    from speculor.runtime.eagle_head import load_pool, save_pool
+    from speculor.runtime.eagle_head import as_saved, load_pool, save_pool
 
     out = Path(out)
     w = out_rows(ids)
@@ -378,7 +429,7 @@ def boost_tune(plan: Plan, corpus: Corpus, heldout: dict[str, Corpus], ids: torc
         run = train_ssm(head, corpus, labels, embed, plan.train, weights, seed=plan.seed + k, progress=progress,
                         desc=f"SSM {k}/{plan.ssms}")
         run["weighted_positions_missed_before"] = round(float(missed[pos].float().mean()), 4)
-        heads.append(head)
+        heads.append(as_saved(head))
         missed[pos] &= ~chain_hits(head, corpus, embed, pos, depths=1)[:, 0]
         run["train_positions_missed_by_all"] = round(float(missed[pos].float().mean()), 4)
         manifest["ssm_runs"].append(run)
@@ -439,16 +490,18 @@ def own_vocab(corpus: Corpus, n: int, always: Sequence[int]) -> torch.Tensor:
 
 
 def run(source: FeatureSource, data: dict[str, Any], plan: Plan, out, *, answer_tokens: int = 128,
-        selfgen_tokens: int = 256, drafts: dict[str, torch.Tensor] | None = None,
-        dtype=torch.bfloat16, own: bool = True) -> dict[str, Any]:
-    """The whole run on prepared ids: held-out answers and corpora, self-generated answers, teacher forcing,
-    boost-tuning; the manifest (also saved with the pool in `out`)."""
+        selfgen_tokens: int = 256, draft=None, dtype=torch.bfloat16, own: bool = True) -> dict[str, Any]:
+    """The whole run on prepared ids: held-out answers and corpora (and a draft model's greedy tokens over them,
+    to compare), self-generated answers, teacher forcing, boost-tuning; the manifest (also saved with the pool in
+    `out`)."""
     t0 = time.perf_counter()
     eos = data["eos"]
-    heldout = {}
+    heldout, drafts = {}, {}
     for name, prompts in data["heldout"].items():
-        heldout[name] = teacher_force(source, answered(prompts, source.greedy(prompts, answer_tokens, eos)),
-                                      dtype=dtype)
+        seqs = answered(prompts, source.greedy(prompts, answer_tokens, eos))
+        heldout[name] = teacher_force(source, seqs, dtype=dtype)
+        if draft is not None:  # a draft model's greedy tokens over the same answers
+            drafts[name] = source.greedy_tokens(draft, [s.ids for s in seqs])
     seqs = [Seq(ids, mask) for ids, mask in data["train"]]
     if data.get("selfgen"):
         asks = data["selfgen"]
@@ -463,7 +516,8 @@ def run(source: FeatureSource, data: dict[str, Any], plan: Plan, out, *, answer_
                  "heldout": {k: {"prompts": len(v), "answer_tokens": answer_tokens}
                              for k, v in data["heldout"].items()},
                  "seconds": round(t_data, 1)}})
-    heads, manifest = boost_tune(plan, corpus, heldout, ids, source.embed, source.out_rows, out, drafts=drafts)
+    heads, manifest = boost_tune(plan, corpus, heldout, ids, source.embed, source.out_rows, out,
+                                 drafts=drafts or None)
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
     from speculor.runtime.eagle_head import save_pool
 

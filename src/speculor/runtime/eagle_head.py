@@ -117,6 +117,16 @@ class EagleHead(torch.nn.Module):
 # ---------------------------------------------------------------- saved pools
 
 
+@torch.no_grad()
+def as_saved(head: EagleHead) -> EagleHead:
+    """The head's weights rounded to the fp16 they are saved in (in place): what is evaluated is what ships, and a
+    resumed run continues from the same weights as an uninterrupted one."""
+    for name, v in head.state_dict().items():
+        if name not in FP32_KEYS and v.is_floating_point():
+            v.copy_(v.half().float())
+    return head
+
+
 def save_pool(heads: Sequence[EagleHead], folder: Path, manifest: dict[str, Any]) -> None:
     """A pool of heads as `ssm{k}.safetensors` (fp16; the standardisation in fp32) + `manifest.json`."""
     folder = Path(folder)
