@@ -240,3 +240,5 @@ def test_boost_tuning_runs_on_llama_cpp_features(llama_pair, tmp_path):
     assert row["draft"]["acceptance"][0] > 0.3  # the 0.5B draft agrees with its target often
     heads, _ = load_pool(tmp_path / "pool")
     assert heads[0].cfg.hidden_size == llama_pair.target.hidden_size
+    again = bt.evaluate_pool(source, data, heads, answer_tokens=12, draft=llama_pair.draft)  # --evaluate
+    assert again["chat"]["draft"] == row["draft"] and again["chat"]["positions"] == row["positions"]

@@ -227,7 +227,9 @@ def _add_boost_tune_parser(sub) -> None:
     t.add_argument("--prepared", default=None, help="read the token ids from this file (--save-prepared)")
     t.add_argument("--save-prepared", default=None, help="write the token ids to this file and stop")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", default=None, help="the pool's folder")
+    t.add_argument("--out", default=None, help="the pool's folder (default: <cache>/boosted/<target>)")
+    t.add_argument("--evaluate", default=None, metavar="POOL", help="train nothing: the held-out acceptance by depth "
+                   "of this pool's heads (and of --draft) with this feature source's features")
 
 
 def _add_tune_threshold_parser(sub) -> None:

@@ -181,6 +181,13 @@ def cmd_boost_tune(args: Args) -> None:
                     "float32" if args.dtype == "auto" else args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = True
     source, draft = _feature_source(args, dtype)
+    if args.evaluate:
+        from speculor.runtime.eagle_head import load_pool
+
+        heads, _ = load_pool(Path(args.evaluate))
+        table = bt.evaluate_pool(source, data, heads, answer_tokens=args.answer_tokens, draft=draft)
+        print(json.dumps(table, indent=1))
+        return
     cfg = EagleConfig(source.hidden_size, width=args.width, ffn=args.ffn, blocks=args.blocks, vocab=len(data["ids"]))
     train = bt.TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, hit_weight=args.hit_weight,
                            seconds=args.minutes * 60 if args.minutes else None)

@@ -489,6 +489,28 @@ def own_vocab(corpus: Corpus, n: int, always: Sequence[int]) -> torch.Tensor:
     return torch.tensor(sorted(ranked[:n - len(always)] + list(always)), dtype=torch.long)
 
 
+def heldout_corpora(source: FeatureSource, data: dict[str, Any], answer_tokens: int, draft=None,
+                    dtype=torch.bfloat16) -> tuple[dict[str, Corpus], dict[str, torch.Tensor]]:
+    """The target's greedy answers to the held-out prompts, teacher-forced; a draft's greedy tokens over them."""
+    heldout, drafts = {}, {}
+    for name, prompts in data["heldout"].items():
+        seqs = answered(prompts, source.greedy(prompts, answer_tokens, data["eos"]))
+        heldout[name] = teacher_force(source, seqs, dtype=dtype)
+        if draft is not None:
+            drafts[name] = source.greedy_tokens(draft, [s.ids for s in seqs])
+    return heldout, drafts
+
+
+def evaluate_pool(source: FeatureSource, data: dict[str, Any], heads: Sequence[EagleHead], *,
+                  answer_tokens: int = 128, draft=None) -> dict[str, Any]:
+    """A trained pool (and a draft) on the held-out prompts' answers as this source computes them: the acceptance
+    by depth with the features a deployment reads (`evaluate`)."""
+    heldout, drafts = heldout_corpora(source, data, answer_tokens, draft, torch.float32)
+    device = next(iter(heldout.values())).f.device
+    heads = [h.to(device) for h in heads]
+    return evaluate(heads, heldout, source.embed, source.out_rows(heads[0].ids), drafts or None)
+
+
 def run(source: FeatureSource, data: dict[str, Any], plan: Plan, out, *, answer_tokens: int = 128,
         selfgen_tokens: int = 256, draft=None, dtype=torch.bfloat16, own: bool = True) -> dict[str, Any]:
     """The whole run on prepared ids: held-out answers and corpora (and a draft model's greedy tokens over them,
@@ -496,12 +518,7 @@ def run(source: FeatureSource, data: dict[str, Any], plan: Plan, out, *, answer_
     `out`)."""
     t0 = time.perf_counter()
     eos = data["eos"]
-    heldout, drafts = {}, {}
-    for name, prompts in data["heldout"].items():
-        seqs = answered(prompts, source.greedy(prompts, answer_tokens, eos))
-        heldout[name] = teacher_force(source, seqs, dtype=dtype)
-        if draft is not None:  # a draft model's greedy tokens over the same answers
-            drafts[name] = source.greedy_tokens(draft, [s.ids for s in seqs])
+    heldout, drafts = heldout_corpora(source, data, answer_tokens, draft, dtype)
     seqs = [Seq(ids, mask) for ids, mask in data["train"]]
     if data.get("selfgen"):
         asks = data["selfgen"]
