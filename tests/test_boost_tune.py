@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from speculor.cli import main
+from speculor.methods import boost_data as bd
 from speculor.methods import boost_tune as bt
 from speculor.runtime.eagle_head import EagleConfig, load_pool
 
@@ -31,7 +32,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def source(model):
-    return bt.HFSource(model, tokens_per_batch=512)
+    return bd.HFSource(model, tokens_per_batch=512)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -42,7 +43,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def data(source):
     """Prepared ids as `prepare` makes them: the target's own greedy answers are the training sequences here."""
-    train = bt.answered(prompts(24, 1), source.greedy(prompts(24, 1), 40, [0]))
+    train = bd.answered(prompts(24, 1), source.greedy(prompts(24, 1), 40, [0]))
     return {"train": [(s.ids, s.mask) for s in train], "selfgen": prompts(4, 2), "eos": [0],
             "heldout": {"a": prompts(6, 3), "b": prompts(6, 4)}, "ids": list(range(64))}
 
@@ -53,8 +54,8 @@ def plan(ssms: int = 2, steps: int = 60, seed: int = 0) -> bt.Plan:
 
 
 def test_corpus_positions_and_labels(source, model):
-    seqs = [bt.Seq([5, 6, 7, 8, 9, 10, 11, 12], [False, False, True, True, True, True, True, False])]
-    c = bt.teacher_force(source, seqs, dtype=torch.float32)
+    seqs = [bd.Seq([5, 6, 7, 8, 9, 10, 11, 12], [False, False, True, True, True, True, True, False])]
+    c = bd.teacher_force(source, seqs, dtype=torch.float32)
     # a position trains when it predicts a reply token, has a position before it and DEPTHS after it
     assert c.positions.tolist() == [2, 3]
     ids = torch.arange(VOCAB)
@@ -92,8 +93,8 @@ def test_a_seed_fixes_the_heads_and_a_run_resumes(source, data, tmp_path):
 
 
 def test_own_vocab_keeps_the_end_tokens(source, data):
-    c = bt.teacher_force(source, [bt.Seq(i, m) for i, m in data["train"]], dtype=torch.float32)
-    ids = bt.own_vocab(c, 8, [0, 3])
+    c = bd.teacher_force(source, [bd.Seq(i, m) for i, m in data["train"]], dtype=torch.float32)
+    ids = bd.own_vocab(c, 8, [0, 3])
     assert len(ids) == 8 and {0, 3} <= set(ids.tolist())
     top = torch.bincount(c.g[c.positions], minlength=VOCAB).argmax().item()
     assert top in ids.tolist()

@@ -221,16 +221,17 @@ def test_the_torch_only_options_are_refused_on_llama_cpp():
 def test_boost_tuning_runs_on_llama_cpp_features(llama_pair, tmp_path):
     """The pipeline at a tiny scale on this backend: its features, its greedy answers, a draft compared by depth."""
     from speculor.methods import boost_tune as bt
+    from speculor.methods.boost_data import BackendSource
     from speculor.runtime.eagle_head import EagleConfig, load_pool
 
     tok = llama_pair.tokenizer
     chat = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                         add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-            for q in ("Name a prime number.", "What is 2 + 3?", "Say hello in French.")]
+            for q in ("Name a prime number.", "What is 2 + 3?", "List the days of the week, one per line.")]
     data = {"train": [(p + [40, 41, 42, 43, 44, 45, 46], [False] * (len(p) - 1) + [True] * 7 + [False])
                       for p in chat[:2]], "selfgen": chat[:1], "heldout": {"chat": chat[2:]},
-            "eos": sorted(llama_pair.target.eos_ids), "ids": list(range(1000))}
-    source = bt.BackendSource(llama_pair.target)
+            "eos": sorted(llama_pair.target.eos_ids), "ids": list(range(256))}
+    source = BackendSource(llama_pair.target)
     plan = bt.Plan(EagleConfig(source.hidden_size, width=16, ffn=16, blocks=1, vocab=256),
                    bt.TrainConfig(steps=4, batch=16, warmup=1), ssms=2)
     manifest = bt.run(source, data, plan, tmp_path / "pool", answer_tokens=12, selfgen_tokens=8,

@@ -160,6 +160,7 @@ def cmd_boost_tune(args: Args) -> None:
 
     import torch
 
+    from speculor.methods import boost_data as bd
     from speculor.methods import boost_tune as bt
     from speculor.runtime import embedded
     from speculor.runtime.assets import cache_dir, slug
@@ -170,7 +171,7 @@ def cmd_boost_tune(args: Args) -> None:
         data = torch.load(args.prepared)
     else:
         tokenizer = _tokenizer(args.target)
-        data = bt.prepare(tokenizer, conversations=args.conversations, max_len=args.max_len, selfgen=args.selfgen,
+        data = bd.prepare(tokenizer, conversations=args.conversations, max_len=args.max_len, selfgen=args.selfgen,
                           heldout=args.heldout, vocab=args.vocab)
     if args.save_prepared:
         torch.save(data, args.save_prepared)
@@ -218,7 +219,7 @@ def _feature_source(args: Args, dtype):
     """(the target's feature source, a draft model to compare with or None)."""
     import torch
 
-    from speculor.methods import boost_tune as bt
+    from speculor.methods import boost_data as bd
     from speculor.runtime import embedded
 
     if args.feature_source == "transformers":
@@ -227,7 +228,7 @@ def _feature_source(args: Args, dtype):
         model, _ = load_model(args.target, device=args.device, dtype=dtype)
         for p in model.parameters():
             p.requires_grad_(False)
-        return bt.HFSource(model, tokens_per_batch=args.tokens_per_batch), None
+        return bd.HFSource(model, tokens_per_batch=args.tokens_per_batch), None
     from speculor.runtime.llama import LlamaModel
     from speculor.runtime.loading import gguf_file
 
@@ -235,7 +236,7 @@ def _feature_source(args: Args, dtype):
     target = LlamaModel(gguf_file(args.target), threads=threads)
     draft = None if args.draft == "none" else LlamaModel(gguf_file(embedded.named("default", args.draft)[1]),
                                                          threads=threads)
-    return bt.BackendSource(target), draft
+    return bd.BackendSource(target), draft
 
 
 def cmd_tune_threshold(args: Args) -> None:
