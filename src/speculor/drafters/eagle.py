@@ -101,6 +101,17 @@ class EagleDrafter(DySpecDrafter):
         self.store.clear()
         super().reset()
 
+    @property
+    def can_pay(self) -> bool:
+        """auto, alone: as DySpec's, and one draft token must pay at the rate first tokens were accepted so far
+        (the head's q is more confident than it is right, so its values alone draft where it cannot pay):
+
+            (1 + a) / (t_target(2) + t_draft(1)) > 1 / t_target(1),  a = the moving first-token rate.
+
+        Decided from earlier steps only (exact); once it fails the request decodes plainly (a is no longer updated)."""
+        c = self.cost
+        return super().can_pay and (1 + self.first_rate) / (c.t_target(2) + c.t_draft(1)) > 1 / c.t_target(1)
+
 
 class BoostedDrafter(MergedDrafter):
     """The pool's trees merged (SpecInfer's merge-based tree); its SSMs read one `store`, the request's."""
