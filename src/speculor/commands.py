@@ -48,18 +48,23 @@ def _strategy_options(args: Args) -> dict:
     return given
 
 
-def load_pair_from_args(args: Args):
+def torch_dtype(args: Args):
+    """--dtype as a torch dtype; auto: bfloat16 on cuda, float32 on cpu."""
     import torch
-
-    from speculor.runtime.loading import load_pair
 
     name = getattr(args, "dtype", "auto")
     if name == "auto":
         name = "bfloat16" if args.device.startswith("cuda") else "float32"
+    return getattr(torch, name)
+
+
+def load_pair_from_args(args: Args):
+    from speculor.runtime.loading import load_pair
+
     draft = None if args.draft == "none" else args.draft
     kernels = getattr(args, "kernels", "fast")
     fast = kernels == "fast"
-    return load_pair(args.target, draft, device=args.device, dtype=getattr(torch, name), packed=fast,
+    return load_pair(args.target, draft, device=args.device, dtype=torch_dtype(args), packed=fast,
                      draft_int8=fast, draft_vocab=getattr(args, "draft_vocab", None),
                      offload=getattr(args, "offload", False), backend=getattr(args, "backend", "torch"),
                      threads=getattr(args, "threads", None))
@@ -170,16 +175,16 @@ def cmd_boost_tune(args: Args) -> None:
     if args.prepared:
         data = torch.load(args.prepared)
     else:
-        tokenizer = _tokenizer(args.target)
-        data = bd.prepare(tokenizer, conversations=args.conversations, max_len=args.max_len, selfgen=args.selfgen,
-                          heldout=args.heldout, vocab=args.vocab)
+        from speculor.runtime.loading import load_tokenizer
+
+        data = bd.prepare(load_tokenizer(args.target), conversations=args.conversations, max_len=args.max_len,
+                          selfgen=args.selfgen, heldout=args.heldout, vocab=args.vocab)
     if args.save_prepared:
         torch.save(data, args.save_prepared)
         print(f"saved the prepared ids to {args.save_prepared}: {len(data['train'])} conversations, "
               f"{sum(len(i) for i, _ in data['train'])} tokens, {len(data['selfgen'])} self-generation prompts")
         return
-    dtype = getattr(torch, "bfloat16" if args.dtype == "auto" and args.device.startswith("cuda") else
-                    "float32" if args.dtype == "auto" else args.dtype)
+    dtype = torch_dtype(args)
     torch.backends.cuda.matmul.allow_tf32 = True
     source, draft = _feature_source(args, dtype)
     if args.evaluate:
@@ -204,15 +209,6 @@ def cmd_boost_tune(args: Args) -> None:
                       draft=draft, selfgen_tokens=args.selfgen_tokens)
     print(json.dumps(manifest["heldout"], indent=1))
     print(f"saved the pool of {args.ssms} heads to {out} ({manifest['seconds']:.0f} s): use it with --heads {out}")
-
-
-def _tokenizer(spec: str):
-    from transformers import AutoTokenizer
-
-    from speculor.runtime.loading import resolve
-
-    folder, gguf = resolve(spec)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
 
 
 def _feature_source(args: Args, dtype):

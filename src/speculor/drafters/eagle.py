@@ -13,6 +13,7 @@ the engine gives it the target's features of every committed position (engine/lo
 
 from __future__ import annotations
 
+import statistics
 import time
 from functools import partial
 from importlib import resources
@@ -82,7 +83,7 @@ def head_cost(pair: Pair, head: HeadModel, repeats: int = 5) -> CostModel:
             t0 = time.perf_counter()
             view.forward([Block(cache, list(range(w)), torch.full((w,), -1))])
             runs.append(time.perf_counter() - t0)
-        times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+        times.append(statistics.median(runs[1:]))  # the first: a warm-up
     return CostModel(target.target_n, target.target_s, tuple(SIZES), tuple(times),
                      target.meta + (("head", head.cost_key),))
 

@@ -140,15 +140,12 @@ def reads_features(req: Request) -> bool:
     return getattr(req.drafter, "store", None) is not None
 
 
-def keep_features(req: Request, start: int, out, rows: list[int] | None = None) -> torch.Tensor:
-    """The logits of a target forward's result; its hidden states (`rows` of them, all by default), if any, go
-    to the drafter's store as the features of positions start, start + 1, ..."""
-    if not isinstance(out, tuple):
-        return out
-    logits, hidden = out
-    hidden = hidden if rows is None else hidden[rows]
-    req.drafter.store.put(start, hidden)
-    return logits
+def keep_features(req: Request, start: int, out, rows: list[int] | None = None) -> None:
+    """A target forward's hidden states, if its result has them (`rows` of them, all by default), to the drafter's
+    store as the features of positions start, start + 1, ..."""
+    if isinstance(out, tuple):
+        hidden = out[1]
+        req.drafter.store.put(start, hidden if rows is None else hidden[rows])
 
 
 def settle(req: Request, tree: DraftTree, out) -> Verdict:
@@ -160,8 +157,7 @@ def settle(req: Request, tree: DraftTree, out) -> Verdict:
     logits = adjusted(logits, cfg, req.seq, req.produced, tree)  # the request's bias and penalties, row by row
     verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
     rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted path, in block rows
-    if isinstance(out, tuple):
-        keep_features(req, len(req.seq) - 1, out, rows)
+    keep_features(req, len(req.seq) - 1, out, rows)
     if cfg.logprobs is not None:  # token path[j] was chosen at the row of its parent, the last token below the path
         req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
     req.cache.keep(rows)

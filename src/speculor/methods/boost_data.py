@@ -77,13 +77,21 @@ class FeatureSource:
         ...
 
 
+def lse_greedy(logits: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-normaliser, argmax) of every row of full-vocabulary logits given in consecutive chunks."""
+    return torch.cat([torch.logsumexp(x, -1) for x in logits]), torch.cat([x.argmax(-1) for x in logits])
+
+
 class HFSource(FeatureSource):
     """A transformers causal LM: sequences of similar length batched, right-padded, on the model's device."""
 
     def __init__(self, model, tokens_per_batch: int = 16384) -> None:
+        from speculor.runtime.eagle_head import torch_embedding
+
         self.model, self.tpb = model.eval(), tokens_per_batch
         self.hidden_size = model.config.hidden_size
         self.device = model.get_input_embeddings().weight.device
+        self.embed = torch_embedding(model)
 
     @torch.inference_mode()
     def run(self, seqs, progress: bool = True):
@@ -103,8 +111,7 @@ class HFSource(FeatureSource):
             for j, k in enumerate(batch):
                 f = h[j, :len(seqs[k])]
                 logits = [(f[c:c + 1024] @ w.T).float() for c in range(0, len(f), 1024)]  # full vocab, in chunks
-                out[k] = (f, torch.cat([torch.logsumexp(x, -1) for x in logits]),
-                          torch.cat([x.argmax(-1) for x in logits]))
+                out[k] = (f, *lse_greedy(logits))
                 bar.update(len(seqs[k]))
         bar.close()
         return [out[k] for k in range(len(seqs))]
@@ -130,9 +137,6 @@ class HFSource(FeatureSource):
     def out_rows(self, ids):
         return self.model.get_output_embeddings().weight.detach()[ids.to(self.device)].float()
 
-    def embed(self, ids):
-        return self.model.get_input_embeddings().weight.detach()[ids.to(self.device)].float()
-
 
 class BackendSource(FeatureSource):
     """A GGUF target on the llama.cpp backend (runtime/llama.py, its embeddings output): one sequence at a time, in
@@ -147,19 +151,19 @@ class BackendSource(FeatureSource):
         self._out = GGUFRows(target.path, ["output.weight", "token_embd.weight"])
 
     def run(self, seqs, progress: bool = True):
-        from speculor.runtime.backend import Block
-
         out = []
         for ids in tqdm(seqs, desc="teacher forcing", unit="seq", disable=not progress):
-            cache, fs, lses, gs = self.target.new_cache(), [], [], []
-            for c in range(0, len(ids), self.chunk):
-                (logits, hidden), = self.target.forward([Block(cache, ids[c:c + self.chunk], hidden=True,
-                                                              append=c > 0)])
-                fs.append(hidden)
-                lses.append(torch.logsumexp(logits.float(), -1))
-                gs.append(logits.argmax(-1))
-            out.append((torch.cat(fs), torch.cat(lses), torch.cat(gs)))
+            parts = self._chunks(self.target, ids, hidden=True)
+            out.append((torch.cat([h for _, h in parts]), *lse_greedy([lg.float() for lg, _ in parts])))
         return out
+
+    def _chunks(self, model, ids: list[int], hidden: bool = False) -> list:
+        """A model's results over a sequence in blocks of `chunk` rows (each continuing the pending chain)."""
+        from speculor.runtime.backend import Block
+
+        cache = model.new_cache()
+        return [model.forward([Block(cache, ids[c:c + self.chunk], hidden=hidden, append=c > 0)])[0]
+                for c in range(0, len(ids), self.chunk)]
 
     def greedy(self, prompts, max_new, eos):
         from speculor.config import SamplingConfig
@@ -174,15 +178,7 @@ class BackendSource(FeatureSource):
 
     def greedy_tokens(self, model, seqs: Sequence[list[int]]) -> torch.Tensor:
         """Another model's (a draft's) greedy token at every position of the sequences, concatenated."""
-        from speculor.runtime.backend import Block
-
-        out = []
-        for ids in seqs:
-            cache = model.new_cache()
-            for c in range(0, len(ids), self.chunk):
-                logits = model.forward([Block(cache, ids[c:c + self.chunk], append=c > 0)])[0]
-                out.append(logits.argmax(-1))
-        return torch.cat(out)
+        return torch.cat([lg.argmax(-1) for ids in seqs for lg in self._chunks(model, ids)])
 
 
 @dataclass

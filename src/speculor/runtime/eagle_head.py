@@ -170,9 +170,9 @@ class FeatureStore:
 
     def put(self, start: int, feats: torch.Tensor) -> None:
         """Features [k, H] of positions start .. start + k - 1 (rows the target computed and committed)."""
-        for i in range(len(feats)):
-            self.f[start + i] = feats[i]
         top = start + len(feats)
+        for i in range(max(len(feats) - KEEP, 0), len(feats)):  # a prompt's: only its last KEEP
+            self.f[start + i] = feats[i]
         for p in [p for p in self.f if p < top - KEEP]:
             del self.f[p]
 

@@ -55,12 +55,21 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
     folder, gguf = resolve(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype).to(device)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+        raise SpeculorError(f"could not load the model at {spec!r} (corrupt or unsupported file?): {exc}") from exc
+    return model, load_tokenizer(spec)
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model spec (see `resolve`); a corrupt or missing one gets a clear error."""
+    folder, gguf = resolve(spec)
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         raise SpeculorError(f"could not load the model at {spec!r} (corrupt or unsupported file?): {exc}") from exc
     if len(tokenizer) < 2:  # transformers quietly builds an empty tokenizer when the files are missing
         raise SpeculorError(f"the model at {spec!r} has no usable tokenizer (tokenizer files missing?)")
-    return model, tokenizer
+    return tokenizer
 
 
 def check_device(device: str, offload: bool = False) -> None:
