@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import torch
@@ -56,6 +57,17 @@ def tiny_pair() -> Pair:
         for model in (target, draft):
             model.lm_head.weight[tokenizer.eos_token_id] = 0
     return Pair(Model(target), Model(draft), tokenizer, "tiny-target", "tiny-draft")
+
+
+def save_tiny_pair(folder: Path) -> tuple[Path, Path]:
+    """tiny_pair's target and draft saved as transformers folders (with the tokenizer): what a process that loads
+    models by path (a Ray Serve replica, `speculor serve`) loads; returns (target folder, draft folder)."""
+    pair = tiny_pair()
+    dirs = folder / "tiny-target", folder / "tiny-draft"
+    for lm, d in zip((pair.target, pair.draft), dirs, strict=True):
+        lm.model.save_pretrained(d)
+        pair.tokenizer.save_pretrained(d)
+    return dirs
 
 
 @contextmanager

@@ -43,10 +43,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -71,6 +71,33 @@ from speculor.serving.schemas import (
 )
 
 logger = logging.getLogger("speculor.serving.app")
+
+
+@dataclass
+class Stream:
+    """A streamed answer: its jobs and the server-sent-events body; closing the body or `cancel` stops the jobs."""
+
+    jobs: list[Job]
+    body: AsyncIterator[str]
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel.set()  # a no-op once the job has ended
+
+
+Answer = dict[str, Any] | Stream  # a whole response body, or a stream
+
+
+class Service(Protocol):
+    """What the routes need: this process's `_Server`, or Ray Serve's ingress (serving/ray_serve.py)."""
+
+    model: str
+
+    async def respond(self, req: GenerationRequest, chat: bool, request: Request) -> Response: ...
+
+    async def health(self) -> dict[str, Any]: ...
+
+    def render_metrics(self) -> Response: ...
 
 
 @dataclass
@@ -160,8 +187,15 @@ class _Server:
             raise bad_request(exc, "speculative") from exc
         return spec.strategy, options
 
-    async def respond(self, request: Request, req: GenerationRequest, jobs: list[Job], chat: bool) -> Response:
-        """Queue the jobs (429 if full) and answer with a stream or, once done, a whole response."""
+    async def answer(self, req: GenerationRequest, chat: bool, request: Request | None = None) -> Answer:
+        """Validate a request and queue its jobs (429 if full); the whole response body once done, or its `Stream`.
+        `request`, where there is one, is watched for the client hanging up. Raises APIError."""
+        if chat:
+            ids, max_tokens, param = self.encode_messages(req.messages), req.max_completion_tokens or req.max_tokens, \
+                "messages"
+        else:
+            ids, max_tokens, param = self.encode_prompt(req.prompt), req.max_tokens, "prompt"
+        jobs = self.make_jobs(req, ids, max_tokens, param)
         for i, job in enumerate(jobs):
             try:
                 self.scheduler.submit(job)
@@ -172,9 +206,23 @@ class _Server:
         fmt = Format(chat, self.model, jobs[0].id, self.piece, jobs[0].cfg.logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return JobStream(jobs, sse_stream(jobs, fmt, include_usage))
+            return Stream(jobs, sse_stream(jobs, fmt, include_usage))
         answers, usage = await collect(jobs, request)
-        return JSONResponse(fmt.full(answers, usage))
+        return fmt.full(answers, usage)
+
+    async def respond(self, req: GenerationRequest, chat: bool, request: Request) -> Response:
+        """The HTTP response of a request: a JSON body, or a stream of server-sent events."""
+        out = await self.answer(req, chat, request)
+        return JobStream(out.jobs, out.body) if isinstance(out, Stream) else JSONResponse(out)
+
+    async def health(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {"status": "ok", "model": self.model, "queue_depth": s.depth(), "queue_size": s.queue_size,
+                "running": s.size(), "max_batch": s.max_batch,
+                "peak_memory_gib": _finite(self.metrics.peak_memory_gib())}
+
+    def render_metrics(self) -> Response:
+        return self.metrics.render()
 
     def piece(self, token: int) -> str:
         """A token's own text (log-probability entries)."""
@@ -191,32 +239,27 @@ def logprobs_of(req: GenerationRequest) -> int | None:
     return req.logprobs
 
 
-def _routes(app: FastAPI, srv: _Server) -> None:
+def _routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        ids = srv.encode_prompt(req.prompt)
-        return await srv.respond(request, req, srv.make_jobs(req, ids, req.max_tokens, "prompt"), chat=False)
+        return await service.respond(req, False, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
-        ids = srv.encode_messages(req.messages)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        return await srv.respond(request, req, srv.make_jobs(req, ids, max_tokens, "messages"), chat=True)
+        return await service.respond(req, True, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": service.model, "object": "model", "created": 0,
                                             "owned_by": "speculor"}]}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": srv.model, "queue_depth": srv.scheduler.depth(),
-                "queue_size": srv.scheduler.queue_size, "running": srv.scheduler.size(),
-                "max_batch": srv.scheduler.max_batch, "peak_memory_gib": _finite(srv.metrics.peak_memory_gib())}
+        return await service.health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return srv.metrics.render()
+        return service.render_metrics()
 
 
 def _finite(x: float) -> float | None:
@@ -227,34 +270,49 @@ def _finite(x: float) -> float | None:
 DEFAULT_STRATEGY = ("dyspec", {"budget": "auto"})  # batch-aware: sized from the cost curve for the running batch
 
 
-def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = 8,
-               **options: Any) -> FastAPI:
-    """A FastAPI app serving `pair` with a default `strategy` and its `options` (e.g. k=4); no strategy: DySpec
-    with the batch-aware auto budget (DEFAULT_STRATEGY), or chain for a draft with another tokenizer.
-
-    Up to `max_batch` generations run together (continuous batching, serving/scheduler.py); `queue_size` (>= 1)
-    requests may wait for a place, more get 429. The worker thread starts with the first request and stops
-    at the app's shutdown. Raises SpeculorError for a bad strategy, queue size or batch size.
-    """
+def make_server(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = 8,
+                metrics: Metrics | None = None, **options: Any) -> _Server:
+    """The engine side of a server: `pair` with a default `strategy` and its `options` (e.g. k=4), its scheduler
+    and metrics; no strategy: DySpec with the batch-aware auto budget (DEFAULT_STRATEGY), or chain for a draft with
+    another tokenizer. Raises SpeculorError for a bad strategy, queue size or batch size."""
     if strategy is None and pair.draft_tokenizer is not None:  # a draft with another tokenizer drafts chains
         strategy = "chain"
     if strategy is None:
         strategy, options = DEFAULT_STRATEGY[0], {**DEFAULT_STRATEGY[1], **options}
     sp = Speculor(pair, strategy=strategy, **options)
-    metrics = Metrics(pair.target.device)
-    srv = _Server(sp, Scheduler(sp, queue_size, metrics, max_batch), metrics, pair.target_name or "speculor")
+    metrics = metrics or Metrics(pair.target.device)
+    return _Server(sp, Scheduler(sp, queue_size, metrics, max_batch), metrics, pair.target_name or "speculor")
+
+
+def build_app(service: Service, metrics: Metrics, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """The FastAPI app of a service (this process's `_Server`, or Ray Serve's ingress, serving/ray_serve.py): the
+    routes, the OpenAI-style error handlers and the request metrics; `on_shutdown` runs (in a thread) at the app's
+    shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await asyncio.to_thread(srv.scheduler.stop)
+        if on_shutdown is not None:
+            await asyncio.to_thread(on_shutdown)
 
     app = FastAPI(title="speculor", version="0.1.0", lifespan=lifespan)
-    app.state.server = srv
+    app.state.server = service
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    _routes(app, srv)
+    _routes(app, service)
     return app
+
+
+def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = 8,
+               **options: Any) -> FastAPI:
+    """A FastAPI app serving `pair` in this process (see `make_server` for the strategy).
+
+    Up to `max_batch` generations run together (continuous batching, serving/scheduler.py); `queue_size` (>= 1)
+    requests may wait for a place, more get 429. The worker thread starts with the first request and stops
+    at the app's shutdown. Raises SpeculorError for a bad strategy, queue size or batch size.
+    """
+    srv = make_server(pair, strategy, queue_size, max_batch, **options)
+    return build_app(srv, srv.metrics, on_shutdown=srv.scheduler.stop)
 
 
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str | None = None, queue_size: int = 64,

@@ -194,10 +194,12 @@ async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
         job.cancel.set()
 
 
-async def collect(jobs: list[Job], request: Request) -> tuple[list[tuple[str, str, list[Token]]], dict[str, Any]]:
+async def collect(jobs: list[Job], request: Request | None = None
+                  ) -> tuple[list[tuple[str, str, list[Token]]], dict[str, Any]]:
     """Wait for whole generations: (text, finish reason, tokens) per job and the combined usage; the client
-    hanging up cancels them. Raises the APIError of a job that failed."""
-    watcher = asyncio.create_task(_watch_disconnect(request, jobs))
+    hanging up (`request`, where there is one) or this coroutine being cancelled cancels them. Raises the APIError
+    of a job that failed."""
+    watcher = asyncio.create_task(_watch_disconnect(request, jobs)) if request is not None else None
     try:
         results = await asyncio.gather(*(_one(job) for job in jobs))
     except BaseException:
@@ -205,7 +207,8 @@ async def collect(jobs: list[Job], request: Request) -> tuple[list[tuple[str, st
             job.cancel.set()
         raise
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
     return ([(text, done.finish_reason, tokens) for text, done, tokens in results],
             combined([done.usage for _, done, _ in results]))
 

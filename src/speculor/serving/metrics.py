@@ -1,13 +1,16 @@
 """Prometheus metrics of the server, served by GET /metrics.
 
-Contract: `Metrics` holds one app's metrics in a registry of its own (several apps may live in one process);
-`MetricsMiddleware` counts every HTTP request by endpoint (one of ENDPOINTS, else "other") and status and
-times it to the end of its body, streams included. The generation metrics are filled by the scheduler.
+Contract: `Metrics` holds one app's metrics, made by a `family`: by default prometheus_client's, in a registry of
+its own (several apps may live in one process; `render` is the text format), or Ray's (serving/ray_metrics.py:
+exported through Ray's metrics agent, tagged with the Ray Serve deployment and replica). `MetricsMiddleware` counts
+every HTTP request by endpoint (one of ENDPOINTS, else "other") and status and times it to the end of its body,
+streams included. The generation metrics are filled by the scheduler.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import prometheus_client as prom
 import torch
@@ -20,37 +23,50 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0)
 
 
-class Metrics:
-    """Prometheus metrics of one app, in a registry of its own (several apps may live in one process)."""
+class Prometheus:
+    """prometheus_client's metrics in a registry of their own: what `Metrics` makes its metrics with by default."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self) -> None:
         self.registry = prom.CollectorRegistry()
+
+    def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+        return prom.Counter(name, doc, labels, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Any:
+        return prom.Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+
+    def gauge(self, name: str, doc: str) -> Any:
+        return prom.Gauge(name, doc, registry=self.registry)
+
+
+class Metrics:
+    """The metrics of one app (or Ray Serve replica), made by `family` (Prometheus() or ray_metrics.Ray())."""
+
+    def __init__(self, device: torch.device | None = None, family: Any = None) -> None:
+        self.family = family or Prometheus()
         self.device = device or torch.device("cpu")
-        r = self.registry
-        self.requests = prom.Counter("speculor_requests", "HTTP requests by endpoint and status",
-                                     ["endpoint", "status"], registry=r)
-        self.latency = prom.Histogram("speculor_request_latency_seconds",
-                                      "HTTP request latency, to the end of the response body", ["endpoint"],
-                                      registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.generations = prom.Counter("speculor_generations", "generations by outcome (completed, cancelled, "
-                                        "failed)", ["outcome"], registry=r)
-        self.tokens = prom.Counter("speculor_generated_tokens", "tokens generated (cancelled generations "
-                                   "included)", registry=r)
-        self.accepted = prom.Counter("speculor_accepted_draft_tokens", "generated tokens that were accepted "
-                                     "draft tokens", registry=r)
-        self.tau = prom.Histogram("speculor_tau", "tokens per target forward of each completed generation",
-                                  registry=r, buckets=TAU_BUCKETS)
-        self.queue_depth = prom.Gauge("speculor_queue_depth", "requests waiting for the engine", registry=r)
-        self.running = prom.Gauge("speculor_running_generations", "generations in the running batch", registry=r)
-        self.batch_size = prom.Histogram("speculor_batch_size", "requests in each batched step", registry=r,
-                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        self.rows = prom.Histogram("speculor_rows_per_step", "target rows (roots + draft tokens) of each batched "
-                                   "step", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
-        self.accept_length = prom.Histogram("speculor_accepted_length", "draft tokens accepted per request and step",
-                                            registry=r, buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
-        self.peak_memory = prom.Gauge("speculor_peak_memory_gib", "peak memory of the server process since it "
-                                      "started, in GiB: resident set on a CPU, torch's allocator peak on a GPU (NaN "
-                                      "where the OS does not say)", registry=r)
+        f = self.family
+        self.requests = f.counter("speculor_requests", "HTTP requests by endpoint and status", ("endpoint", "status"))
+        self.latency = f.histogram("speculor_request_latency_seconds",
+                                   "HTTP request latency, to the end of the response body",
+                                   (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), ("endpoint",))
+        self.generations = f.counter("speculor_generations", "generations by outcome (completed, cancelled, failed)",
+                                     ("outcome",))
+        self.tokens = f.counter("speculor_generated_tokens", "tokens generated (cancelled generations included)")
+        self.accepted = f.counter("speculor_accepted_draft_tokens", "generated tokens that were accepted draft "
+                                  "tokens")
+        self.tau = f.histogram("speculor_tau", "tokens per target forward of each completed generation", TAU_BUCKETS)
+        self.queue_depth = f.gauge("speculor_queue_depth", "requests waiting for the engine")
+        self.running = f.gauge("speculor_running_generations", "generations in the running batch")
+        self.batch_size = f.histogram("speculor_batch_size", "requests in each batched step",
+                                      (1, 2, 4, 8, 16, 32, 64, 128))
+        self.rows = f.histogram("speculor_rows_per_step", "target rows (roots + draft tokens) of each batched step",
+                                (1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.accept_length = f.histogram("speculor_accepted_length", "draft tokens accepted per request and step",
+                                         (0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
+        self.peak_memory = f.gauge("speculor_peak_memory_gib", "peak memory of the server process since it started, "
+                                   "in GiB: resident set on a CPU, torch's allocator peak on a GPU (NaN where the OS "
+                                   "does not say)")
         self.peak_memory.set_function(self.peak_memory_gib)
 
     def peak_memory_gib(self) -> float:
@@ -66,7 +82,8 @@ class Metrics:
             self.accept_length.observe(a)
 
     def render(self) -> Response:
-        return Response(prom.generate_latest(self.registry), media_type=prom.CONTENT_TYPE_LATEST)
+        """The Prometheus text format (prometheus_client's family only)."""
+        return Response(prom.generate_latest(self.family.registry), media_type=prom.CONTENT_TYPE_LATEST)
 
 
 class MetricsMiddleware:

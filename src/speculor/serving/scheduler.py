@@ -126,6 +126,11 @@ class Scheduler:
         """Jobs waiting (the running ones not counted)."""
         return self._queue.qsize()
 
+    def alive(self) -> bool:
+        """False only when the worker thread ended without being stopped (a bug: nothing would serve the queue)."""
+        thread = self._thread
+        return thread is None or thread.is_alive() or self._stopping
+
     def submit(self, job: Job) -> None:
         """Queue a job behind the others; APIError 429 when `queue_size` jobs already wait."""
         self._ensure_started()

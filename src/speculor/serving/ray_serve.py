@@ -1,0 +1,400 @@
+"""speculor on Ray Serve: an ingress deployment with `speculor serve`'s FastAPI app (serving/app.py's `build_app`, the
+same routes, error bodies and request metrics) and a replica deployment whose every replica holds a model pair and
+the continuous-batching scheduler (`make_server`). Ray Serve routes the requests between replicas, scales them
+(`replicas`, or autoscaling between `min_replicas` and `max_replicas` on ongoing requests) and restarts a dead one.
+
+Contract:
+
+* The ingress passes a validated request (its JSON) to a replica and relays the answer; the replica answers with a
+  `Head` (an error body, a whole response, or "a stream follows") and then the stream's server-sent events, joined
+  where several are ready at once. Every response names the replica in the `x-speculor-replica` header.
+* A replica's `max_ongoing_requests` is `max_batch + queue_size`; requests beyond that wait in Ray Serve's queue at
+  the ingress (`max_queued_requests` of them, default unbounded as in Ray Serve; more get 429 as from `speculor
+  serve`).
+* A replica that dies: a request that has not started its response yet is sent to another replica (RETRIES times at
+  most, then 503); a stream that had started ends with an OpenAI-style error event (`code: replica_died`) and
+  `[DONE]`. Ray Serve restarts the replica; `check_health` fails a replica whose engine thread died. A replica that
+  is stopped (scale-down, shutdown) first drains: Ray waits up to `drain_s` for its requests to finish.
+* Metrics go through Ray's metrics (serving/ray_metrics.py): each replica's batch size, tau, accepted lengths,
+  queue, generations; the ingress's request counts and latencies; GET /metrics says where they are.
+* `build(args)` makes the application from a `serve run` / `serve deploy` config's args (`RaySettings`);
+  `run(settings, ...)` is `speculor serve --ray`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import ray
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+from starlette.types import Receive, Scope, Send
+
+from speculor.errors import SpeculorError
+from speculor.serving.app import Stream, build_app, make_server
+from speculor.serving.errors import APIError, bad_request
+from speculor.serving.metrics import Metrics
+from speculor.serving.ray_metrics import Ray
+from speculor.serving.schemas import MAX_N, ChatRequest, CompletionRequest, GenerationRequest
+
+logger = logging.getLogger("speculor.serving.app")
+
+APP = "speculor"  # the Ray Serve application's default name
+REPLICA_HEADER = "x-speculor-replica"
+RETRIES = 2  # other replicas tried for a request whose replica died before its response began
+GONE = (RayActorError, DeploymentUnavailableError)  # the replica died, or none is there
+
+
+class RaySettings(BaseModel):
+    """What `speculor serve --ray` and a `serve run`/`serve deploy` config's args set (unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # the pair, as `speculor serve` loads it (commands.load_pair_from_args)
+    target: str = "default"
+    draft: str = "default"  # "none" for no draft
+    backend: Literal["auto", "torch", "llama.cpp"] = "torch"
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kernels: Literal["fast", "eager"] = "fast"
+    threads: int | None = Field(None, ge=1)
+    draft_vocab: int | None = None
+    offload: bool = False
+    # the engine
+    strategy: str | None = None  # None: the server's default (app.DEFAULT_STRATEGY)
+    options: dict[str, Any] = {}
+    queue_size: int = Field(64, ge=1)
+    max_batch: int = Field(8, ge=1, le=256)
+    max_queued_requests: int = Field(-1, ge=-1)  # waiting at an ingress for a replica; -1: no bound (Ray's default)
+    # Ray Serve
+    replicas: int = Field(1, ge=1)
+    min_replicas: int | None = Field(None, ge=0)  # autoscaling when max_replicas is set
+    max_replicas: int | None = Field(None, ge=1)
+    target_ongoing_requests: float | None = Field(None, gt=0)  # default: max_batch
+    replica_cpus: float | None = Field(None, ge=0)  # default: threads (1 if not given)
+    replica_memory_gib: float | None = Field(None, ge=0)  # default: the pair's weight files + 1 GiB, where known
+    replica_gpus: float | None = Field(None, ge=0)  # default: 1 on cuda
+    ingress_replicas: int = Field(1, ge=1)
+    drain_s: float = Field(300.0, ge=0)  # a stopped replica's wait for its requests to finish
+
+    @model_validator(mode="after")
+    def _autoscaling(self) -> RaySettings:
+        if (self.min_replicas is not None or self.target_ongoing_requests is not None) and self.max_replicas is None:
+            raise ValueError("autoscaling needs max_replicas (min_replicas and target_ongoing_requests go with it)")
+        if self.max_replicas is not None and (self.min_replicas or 0) > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+    @classmethod
+    def of(cls, args: dict[str, Any]) -> RaySettings:
+        """Settings from a dict (e.g. `serve run` args, strings included); a bad one is a SpeculorError."""
+        try:
+            return cls.model_validate(args)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "settings"
+            raise SpeculorError(f"Ray Serve settings: {where}: {first['msg']}") from None
+
+    def model_args(self) -> SimpleNamespace:
+        return SimpleNamespace(target=self.target, draft=self.draft, backend=self.backend, device=self.device,
+                               dtype=self.dtype, kernels=self.kernels, threads=self.threads,
+                               draft_vocab=self.draft_vocab, offload=self.offload)
+
+    def actor_options(self) -> dict[str, Any]:
+        """What each replica asks Ray for: CPUs, memory for the pair, a GPU on cuda."""
+        cpus = self.replica_cpus if self.replica_cpus is not None else float(self.threads or 1)
+        gpus = self.replica_gpus if self.replica_gpus is not None else float(self.device.startswith("cuda"))
+        gib = self.replica_memory_gib if self.replica_memory_gib is not None else pair_memory_gib(self)
+        options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus}
+        if gib:
+            options["memory"] = int(gib * 2**30)
+        return options
+
+    def scaling(self) -> dict[str, Any]:
+        if self.max_replicas is None:
+            return {"num_replicas": self.replicas}
+        return {"autoscaling_config": {"min_replicas": self.min_replicas or 0, "max_replicas": self.max_replicas,
+                                       "target_ongoing_requests": self.target_ongoing_requests or self.max_batch}}
+
+
+def pair_memory_gib(s: RaySettings) -> float | None:
+    """The pair's weight files as this machine has them + 1 GiB (caches, runtime); None where they are not here."""
+    from speculor.runtime import embedded
+
+    total = 0
+    for spec in (s.target, None if s.draft == "none" else s.draft):
+        if spec is None:
+            continue
+        name = embedded.named(spec, None)[0]
+        if name in embedded.EMBEDDED:
+            path = embedded.cache_dir() / "gguf" if s.backend == "llama.cpp" else embedded.model_dir(name)
+            files = list(path.glob("*.gguf" if s.backend == "llama.cpp" else "*.safetensors"))
+            files = [f for f in files if s.backend != "llama.cpp" or f.stem.startswith(name)]
+        else:
+            path = Path(spec).expanduser()
+            files = [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.gguf"))
+        if not files:
+            return None
+        total += sum(f.stat().st_size for f in files)
+    return round(total / 2**30 + 1.0, 2)
+
+
+@dataclass(frozen=True)
+class Head:
+    """The start of a replica's answer: `body` is an error or a whole response (the end), None when SSE follow."""
+
+    status: int
+    body: dict[str, Any] | None
+    replica: str
+
+
+@serve.deployment
+class Replica:
+    """A model pair and its continuous-batching scheduler; metrics through Ray."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from speculor.commands import load_pair_from_args
+
+        s = RaySettings.of(settings)
+        pair = load_pair_from_args(s.model_args())
+        # Ray Serve bounds the requests a replica holds (max_ongoing_requests): its own queue takes all their jobs
+        jobs = (s.max_batch + s.queue_size) * MAX_N
+        self.srv = make_server(pair, s.strategy, jobs, s.max_batch, Metrics(pair.target.device, Ray()), **s.options)
+        self.id = serve.get_replica_context().replica_id.unique_id
+        logger.info("replica %s (pid %d) serves %s", self.id, os.getpid(), self.srv.model)
+
+    async def generate(self, body: str, chat: bool) -> AsyncIterator[Head | str]:
+        """A request's answer: its Head, then (a stream) its server-sent events."""
+        try:
+            req: GenerationRequest = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
+            out = await self.srv.answer(req, chat)
+        except APIError as exc:
+            yield Head(exc.status, exc.body(), self.id)
+            return
+        except SpeculorError as exc:
+            yield Head(400, bad_request(exc).body(), self.id)
+            return
+        except Exception:  # noqa: BLE001 - a bug: the client gets a 500, the replica keeps serving
+            logger.exception("replica %s failed a request", self.id)
+            yield Head(500, APIError(500, "internal server error", type="server_error").body(), self.id)
+            return
+        if not isinstance(out, Stream):
+            yield Head(200, out, self.id)
+            return
+        yield Head(200, None, self.id)
+        try:
+            async for text in coalesced(out.body):
+                yield text
+        finally:
+            out.cancel()  # the ingress (its client) left, or the stream ended: a no-op then
+
+    async def health(self) -> dict[str, Any]:
+        return {**await self.srv.health(), "replica": self.id, "pid": os.getpid()}
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic check: a replica whose engine thread died is restarted."""
+        if not self.srv.scheduler.alive():
+            raise RuntimeError("the engine thread of this replica died")
+
+    def __del__(self) -> None:
+        self.srv.scheduler.stop()
+
+
+async def coalesced(parts: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`parts`, those ready at once joined into one (a step's tokens: one message through Ray, not one each)."""
+    ready: asyncio.Queue[str | BaseException | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for part in parts:
+                ready.put_nowait(part)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            ready.put_nowait(exc)
+        ready.put_nowait(None)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            batch = [await ready.get()]
+            while not ready.empty() and isinstance(batch[-1], str):
+                batch.append(ready.get_nowait())
+            end = batch[-1] if not isinstance(batch[-1], str) else None
+            text = "".join(p for p in batch if isinstance(p, str))
+            if text:
+                yield text
+            if isinstance(end, BaseException):
+                raise end
+            if batch[-1] is None:
+                return
+    finally:
+        task.cancel()
+
+
+class RayService:
+    """The ingress's side of the app's routes (app.Service): each request goes to a replica."""
+
+    def __init__(self, replica: DeploymentHandle, model: str, queued: int) -> None:
+        self.replica, self.model, self.queued = replica, model, queued
+        self.metrics = Metrics(family=Ray())
+
+    async def respond(self, req: GenerationRequest, chat: bool, request: Request) -> Response:
+        body = req.model_dump_json(exclude_unset=True)
+        for attempt in range(1 + RETRIES):
+            answer = self.replica.options(stream=True).generate.remote(body, chat)
+            try:
+                head: Head = await answer.__anext__()
+                break
+            except GONE as exc:
+                answer.cancel()
+                logger.warning("a replica failed before answering (%s: %s); try %d of %d", type(exc).__name__,
+                               exc, attempt + 1, 1 + RETRIES)
+            except BackPressureError:
+                raise APIError(429, f"the server is busy: {self.queued} requests are already waiting; retry "
+                               "later", type="rate_limit_error", code="queue_full") from None
+            except BaseException:  # the client left (cancelled), or a bug
+                answer.cancel()
+                raise
+        else:
+            raise APIError(503, "no replica could serve the request (they died or none is running); retry later",
+                           type="server_error", code="replica_unavailable")
+        headers = {REPLICA_HEADER: head.replica}
+        if head.body is not None:
+            if head.status == 429:
+                headers["Retry-After"] = "1"
+            return JSONResponse(head.body, status_code=head.status, headers=headers)
+        return RelayedStream(answer, headers)
+
+    async def health(self) -> dict[str, Any]:
+        """Ready when a replica runs: the replicas by state (Ray Serve's), and one replica's own health."""
+        states = await asyncio.to_thread(replica_states, serve.get_replica_context().app_name)
+        if not states.get("RUNNING"):
+            raise APIError(503, f"no replica is running yet ({states or 'none'})", type="server_error",
+                           code="no_replica")
+        one = await self.replica.health.remote()
+        return {"status": "ok", "model": self.model, "replicas": states, "replica": one}
+
+    def render_metrics(self) -> Response:
+        raise APIError(404, "on Ray Serve the metrics go through Ray's metrics: scrape each node's metrics export "
+                       "port (names ray_speculor_*, tagged by deployment and replica)", code="not_found")
+
+
+def replica_states(name: str = APP) -> dict[str, int]:
+    """Application `name`'s replicas of the model pair by state (RUNNING, STARTING, ...), from Ray Serve's
+    controller."""
+    app = serve.status().applications.get(name)
+    deployment = app.deployments.get("Replica") if app else None
+    return {str(k): v for k, v in (deployment.replica_states if deployment else {}).items()}
+
+
+class RelayedStream(StreamingResponse):
+    """A replica's server-sent events, relayed; a replica that dies mid-stream ends it with an error event."""
+
+    def __init__(self, answer: Any, headers: dict[str, str]) -> None:
+        super().__init__(relay(answer), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.cancel()  # the client left: the replica stops the generation (a no-op once it ended)
+
+
+async def relay(answer: Any) -> AsyncIterator[str]:
+    try:
+        async for text in answer:
+            yield text
+    except GONE as exc:
+        logger.warning("a replica died mid-stream (%s)", type(exc).__name__)
+        error = APIError(503, "the replica serving this request stopped mid-stream; ask again",
+                         type="server_error", code="replica_died")
+        yield f"data: {json.dumps(error.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+@serve.deployment
+@serve.ingress()
+class Ingress:
+    """`speculor serve`'s FastAPI app in front of the replicas."""
+
+    def __init__(self, replica: DeploymentHandle, model: str, queued: int) -> None:
+        self.service = RayService(replica, model, queued)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_app(self.service, self.service.metrics)
+
+
+def application(s: RaySettings) -> Any:
+    """The Ray Serve application: the ingress bound to the replica deployment."""
+    from speculor.runtime import embedded
+
+    replica = Replica.options(ray_actor_options=s.actor_options(), max_ongoing_requests=s.max_batch + s.queue_size,
+                              max_queued_requests=s.max_queued_requests, graceful_shutdown_timeout_s=s.drain_s,
+                              **s.scaling()).bind(s.model_dump())
+    model = embedded.named(s.target, None)[0]
+    return Ingress.options(num_replicas=s.ingress_replicas, ray_actor_options={"num_cpus": 0},
+                           max_ongoing_requests=10_000).bind(replica, model, s.max_queued_requests)
+
+
+def build(args: dict[str, Any]) -> Any:
+    """The application of a `serve run` / `serve deploy` config (its `args`: RaySettings' fields)."""
+    return application(RaySettings.of(args))
+
+
+def check_fits(s: RaySettings) -> None:
+    """Refuse, before deploying, replicas that no node of the cluster could hold (Ray would wait for one forever)."""
+    need = s.actor_options()
+    want = {"CPU": need["num_cpus"], "GPU": need["num_gpus"], "memory": need.get("memory", 0)}
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if not any(all(n.get(k, 0) >= v for k, v in want.items() if v) for n in nodes):
+        have = [{k: round(n.get(k, 0) / (2**30 if k == "memory" else 1), 2) for k in want} for n in nodes]
+        raise SpeculorError(f"no node of this Ray cluster can hold a replica: each asks for {need['num_cpus']:g} CPUs, "
+                            f"{need['num_gpus']:g} GPUs and {want['memory'] / 2**30:.2f} GiB of memory; the nodes "
+                            f"have {have} (memory in GiB). Give --replica-cpus/--replica-memory-gib/--threads, or add "
+                            "nodes")
+
+
+def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP) -> None:
+    """`speculor serve --ray`: start Ray here (or join `address`), deploy, serve until interrupted, then drain."""
+    from speculor.commands import check_options
+    from speculor.serving.app import DEFAULT_STRATEGY
+
+    check_options(s.strategy or DEFAULT_STRATEGY[0], s.options)  # before anything is started
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(include_dashboard=False, _metrics_export_port=metrics_port)
+    try:
+        check_fits(s)
+        serve.start(http_options={"host": host, "port": port})
+        t0 = time.perf_counter()
+        serve.run(application(s), name=name, route_prefix="/")
+        logger.info("serving %s on %d replica(s) (%s) at http://%s:%d/v1 after %.0f s; metrics through Ray%s",
+                    s.target, s.replicas if s.max_replicas is None else s.max_replicas, s.actor_options(), host, port,
+                    time.perf_counter() - t0, "" if address else f" on http://127.0.0.1:{metrics_port}/metrics")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        logger.info("draining (up to %.0f s) ...", s.drain_s)
+    finally:
+        try:
+            serve.delete(name)  # graceful: each replica finishes its requests first (drain_s)
+        finally:
+            if not address:
+                serve.shutdown()
+                ray.shutdown()
