@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0          # the CPU build on the project machines
-	$(PY) -m pip install -q -e ".[server,bench,test]"   # compiles llama-cpp-python (~10 min, once per machine)
+	$(PY) -m pip install -q -e ".[server,ray,bench,test]"   # compiles llama-cpp-python (~10 min, once per machine)
 	touch $(STAMP)
 
 setup: $(STAMP)

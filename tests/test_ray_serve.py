@@ -286,3 +286,16 @@ def test_memory_asked_is_the_pair_files_and_a_margin(folders) -> None:
     s = settings(folders)
     assert s.actor_options()["memory"] == int(round(files / 2**30 + 1.0, 2) * 2**30)
     assert RaySettings(target="/nowhere", draft="none").actor_options().get("memory") is None
+
+
+def test_the_documented_serve_config_builds() -> None:
+    import yaml
+
+    from speculor.serving.ray_serve import build
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "docs" / "ray" / "speculor.yaml").read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "speculor.serving.ray_serve:build"
+    s = RaySettings.of(app["args"])
+    assert s.backend == "llama.cpp" and s.scaling()["autoscaling_config"]["max_replicas"] == 4
+    assert type(build(app["args"])).__name__ == "Application"

@@ -161,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="most requests decoded together (continuous batching)")
     _add_strategy_args(s, default=None)
     _add_model_args(s)
+    _add_ray_args(s)
 
     lt = sub.add_parser("loadtest", help="latency and throughput of a running server at several concurrencies")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
@@ -173,6 +174,29 @@ def _parser() -> argparse.ArgumentParser:
                     "every later answer is checked against its one-client answer")
     lt.add_argument("--out", default=None, help="JSON file for the rows (and a PNG plot beside it)")
     return ap
+
+
+def _add_ray_args(s: argparse.ArgumentParser) -> None:
+    """`speculor serve --ray`: the same app on Ray Serve (serving/ray_serve.py); each option is RaySettings'."""
+    r = s.add_argument_group("Ray Serve", "with --ray: an ingress deployment with this server's routes in front of "
+                             "replicas that each hold the model pair (docs/ray.md)")
+    r.add_argument("--ray", action="store_true", help="serve on Ray Serve (a Ray instance started here, or "
+                   "--ray-address's cluster)")
+    r.add_argument("--ray-address", default=None, help="an existing Ray cluster (e.g. ray://head:10001 or auto)")
+    r.add_argument("--metrics-port", type=int, default=8080, help="a Ray instance started here exports the metrics "
+                   "on this port (/metrics)")
+    r.add_argument("--replicas", type=int, help="replicas of the model pair (default 1)")
+    r.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas (with --max-replicas)")
+    r.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
+    r.add_argument("--target-ongoing-requests", type=float, help="autoscaling: requests per replica it aims at "
+                   "(default: --max-batch)")
+    r.add_argument("--replica-cpus", type=float, help="CPUs a replica asks Ray for (default: --threads, else 1)")
+    r.add_argument("--replica-memory-gib", type=float, help="memory a replica asks Ray for (default: the pair's "
+                   "weight files + 1 GiB)")
+    r.add_argument("--replica-gpus", type=float, help="GPUs a replica asks Ray for (default: 1 on cuda)")
+    r.add_argument("--max-queued-requests", type=int, help="requests that may wait at the ingress for a replica "
+                   "(default: no bound); more get 429")
+    r.add_argument("--drain-s", type=float, help="a stopped replica waits this long for its requests (default 300)")
 
 
 def _add_train_head_parser(sub) -> None:

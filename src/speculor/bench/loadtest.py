@@ -119,27 +119,27 @@ def summarize(results: list[Result], wall: float, clients: int) -> dict[str, Any
 
 def run(url: str, prompts: list[str], concurrencies: list[int], *, requests: int = 1, max_tokens: int = 32,
         speculative: dict[str, Any] | None = None, timeout: float = 1800.0,
-        reference: bool = False) -> list[dict[str, Any]]:
+        reference: bool = False, answers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One round per concurrency; every answer must equal the first answer seen for its prompt. With `reference`,
     a first round asks every prompt the rounds will use alone, one after another (one client): every answer is
-    then compared with its one-client answer, and that round gives the one-client throughput."""
+    then compared with its one-client answer, and that round gives the one-client throughput. `answers`, if given,
+    receives each prompt's first answer (e.g. to compare servers)."""
     if not prompts or not concurrencies or min(concurrencies) < 1 or requests < 1 or max_tokens < 1:
         raise SpeculorError("loadtest needs prompts, concurrencies >= 1, requests >= 1 and max_tokens >= 1")
     url = url.rstrip("/")
-    answers_of: dict[str, str] = {}
+    answers_of: dict[str, str] = answers if answers is not None else {}
     rows = []
     if reference:
         used = list(dict.fromkeys(prompts[i % len(prompts)] for i in range(max(concurrencies) * requests)))
         with _reaching(url):
-            answers, wall = asyncio.run(_round(url, used, 1, len(used), max_tokens, speculative, timeout))
-        answers_of.update((p, r.text) for p, r in answers)
-        rows.append(summarize([r for _, r in answers], wall, 1) | {"answers_differing": 0, "reference": True})
-    reference_answers = answers_of
+            got, wall = asyncio.run(_round(url, used, 1, len(used), max_tokens, speculative, timeout))
+        answers_of.update((p, r.text) for p, r in got)
+        rows.append(summarize([r for _, r in got], wall, 1) | {"answers_differing": 0, "reference": True})
     for c in concurrencies:
         with _reaching(url):
-            answers, wall = asyncio.run(_round(url, prompts, c, requests, max_tokens, speculative, timeout))
-        mismatches = sum(reference_answers.setdefault(prompt, r.text) != r.text for prompt, r in answers)
-        rows.append(summarize([r for _, r in answers], wall, c) | {"answers_differing": mismatches})
+            got, wall = asyncio.run(_round(url, prompts, c, requests, max_tokens, speculative, timeout))
+        mismatches = sum(answers_of.setdefault(prompt, r.text) != r.text for prompt, r in got)
+        rows.append(summarize([r for _, r in got], wall, c) | {"answers_differing": mismatches})
     return rows
 
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server (see `speculor.serving.app`): `create_app(pair)` and `serve(pair)`.
+"""The OpenAI-compatible HTTP server (see `speculor.serving.app`): `create_app(pair)` and `serve(pair)`; on Ray Serve:
+`speculor.serving.ray_serve`.
 
 Both are imported on first use (PEP 562), so importing a submodule such as `schemas` does not load the app.
 """

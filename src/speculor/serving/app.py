@@ -33,9 +33,11 @@ that finds the queue full gets 429 at once. The worker checks a job's cancel fla
 streaming client that disconnects (or a non-streaming one that hangs up) stops its generation at the
 next token, and the worker moves on to the next job.
 
-This module is the app itself: the endpoints and what they share. The parts live beside it: `schemas`
-(request bodies), `errors` (OpenAI-style error bodies and handlers), `metrics` (Prometheus), `scheduler`
-(the job queue and its worker thread) and `formats` (response objects and server-sent events).
+This module is the app itself: the endpoints (`build_app`, over a `Service`) and the engine side they call in this
+process (`_Server`, made by `make_server`). The parts live beside it: `schemas` (request bodies), `errors`
+(OpenAI-style error bodies and handlers), `metrics` (Prometheus), `scheduler` (the job queue and its worker thread),
+`formats` (response objects and server-sent events) and `ray_serve` (the same app as a Ray Serve ingress in front
+of replicas that each hold a `_Server`).
 """
 
 from __future__ import annotations

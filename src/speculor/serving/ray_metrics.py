@@ -41,6 +41,16 @@ class _Metric:
         self.metric.set(value, tags=self._tags())
 
 
+class _Gauge(_Metric):
+    def __init__(self, metric: Any, keys: tuple[str, ...], *, family: Ray) -> None:
+        super().__init__(metric, keys)
+        self.family = family
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        """Set from `fn()` every REFRESH_S seconds."""
+        self.family._read(self, fn)
+
+
 class Ray:
     """Makes `Metrics`' counters, histograms and gauges as Ray Serve metrics."""
 
@@ -55,14 +65,8 @@ class Ray:
         bounds = [b for b in buckets if b > 0]  # Ray's boundaries must be positive (0 falls in the first bucket)
         return _Metric(serve_metrics.Histogram(name, doc, boundaries=bounds, tag_keys=labels or None), labels)
 
-    def gauge(self, name: str, doc: str) -> Any:
-        family = self
-
-        class Gauge(_Metric):
-            def set_function(self, fn: Callable[[], float]) -> None:
-                family._read(self, fn)
-
-        return Gauge(serve_metrics.Gauge(name, doc), ())
+    def gauge(self, name: str, doc: str) -> _Gauge:
+        return _Gauge(serve_metrics.Gauge(name, doc), (), family=self)
 
     def _read(self, gauge: _Metric, fn: Callable[[], float]) -> None:
         self._functions.append((gauge, fn))

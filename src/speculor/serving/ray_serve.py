@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -351,8 +352,18 @@ def application(s: RaySettings) -> Any:
 
 
 def build(args: dict[str, Any]) -> Any:
-    """The application of a `serve run` / `serve deploy` config (its `args`: RaySettings' fields)."""
-    return application(RaySettings.of(args))
+    """The application of a `serve run` / `serve deploy` config (its `args`: RaySettings' fields), its strategy and
+    options checked before anything is deployed."""
+    s = RaySettings.of(args)
+    check_strategy(s)
+    return application(s)
+
+
+def check_strategy(s: RaySettings) -> None:
+    from speculor.commands import check_options
+    from speculor.serving.app import DEFAULT_STRATEGY
+
+    check_options(s.strategy or DEFAULT_STRATEGY[0], s.options)
 
 
 def check_fits(s: RaySettings) -> None:
@@ -370,15 +381,18 @@ def check_fits(s: RaySettings) -> None:
 
 def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP) -> None:
     """`speculor serve --ray`: start Ray here (or join `address`), deploy, serve until interrupted, then drain."""
-    from speculor.commands import check_options
-    from speculor.serving.app import DEFAULT_STRATEGY
-
-    check_options(s.strategy or DEFAULT_STRATEGY[0], s.options)  # before anything is started
+    check_strategy(s)  # before anything is started
+    for sig in (signal.SIGINT, signal.SIGTERM):  # both drain (a background job may have inherited SIGINT ignored)
+        signal.signal(sig, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(include_dashboard=False, _metrics_export_port=metrics_port)
+    try:
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(include_dashboard=False, _metrics_export_port=metrics_port)
+    except Exception as exc:  # noqa: BLE001 - Ray raises bare Exceptions for a node that does not start
+        where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
+        raise SpeculorError(f"could not start or reach {where}: {exc}") from None
     try:
         check_fits(s)
         serve.start(http_options={"host": host, "port": port})
