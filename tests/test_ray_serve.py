@@ -299,3 +299,24 @@ def test_the_documented_serve_config_builds() -> None:
     s = RaySettings.of(app["args"])
     assert s.backend == "llama.cpp" and s.scaling()["autoscaling_config"]["max_replicas"] == 4
     assert type(build(app["args"])).__name__ == "Application"
+
+
+def test_coalesced_joins_what_is_ready_and_keeps_order_and_errors() -> None:
+    import asyncio
+
+    from speculor.serving.ray_serve import coalesced
+
+    async def parts(fail: bool):
+        for i in range(3):
+            yield f"a{i}"  # ready at once: one message
+        await asyncio.sleep(0.05)
+        yield "b"
+        if fail:
+            raise ValueError("broken")
+
+    async def read(fail: bool) -> list[str]:
+        return [text async for text in coalesced(parts(fail))]
+
+    assert asyncio.run(read(False)) == ["a0a1a2", "b"]
+    with pytest.raises(ValueError, match="broken"):
+        asyncio.run(read(True))

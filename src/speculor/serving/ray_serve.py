@@ -172,7 +172,7 @@ class Replica:
         s = RaySettings.of(settings)
         pair = load_pair_from_args(s.model_args())
         # Ray Serve bounds the requests a replica holds (max_ongoing_requests): its own queue takes all their jobs
-        jobs = (s.max_batch + s.queue_size) * MAX_N
+        jobs, self.queue_size = (s.max_batch + s.queue_size) * MAX_N, s.queue_size
         self.srv = make_server(pair, s.strategy, jobs, s.max_batch, Metrics(pair.target.device, Ray()), **s.options)
         self.id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s (pid %d) serves %s", self.id, os.getpid(), self.srv.model)
@@ -203,7 +203,7 @@ class Replica:
             out.cancel()  # the ingress (its client) left, or the stream ended: a no-op then
 
     async def health(self) -> dict[str, Any]:
-        return {**await self.srv.health(), "replica": self.id, "pid": os.getpid()}
+        return {**await self.srv.health(), "queue_size": self.queue_size, "replica": self.id, "pid": os.getpid()}
 
     def check_health(self) -> None:
         """Ray Serve's periodic check: a replica whose engine thread died is restarted."""
@@ -228,18 +228,17 @@ async def coalesced(parts: AsyncIterator[str]) -> AsyncIterator[str]:
 
     task = asyncio.create_task(pump())
     try:
-        while True:
+        done = False
+        while not done:
             batch = [await ready.get()]
-            while not ready.empty() and isinstance(batch[-1], str):
+            while not ready.empty():
                 batch.append(ready.get_nowait())
-            end = batch[-1] if not isinstance(batch[-1], str) else None
-            text = "".join(p for p in batch if isinstance(p, str))
-            if text:
-                yield text
-            if isinstance(end, BaseException):
-                raise end
-            if batch[-1] is None:
-                return
+            if texts := [p for p in batch if isinstance(p, str)]:
+                yield "".join(texts)
+            for p in batch:
+                if isinstance(p, BaseException):
+                    raise p
+            done = None in batch
     finally:
         task.cancel()
 
