@@ -26,8 +26,8 @@ from speculor.bench import loadtest, prompts
 SERVE = [sys.executable, "-m", "speculor.cli", "serve", "--backend", "llama.cpp", "--port", "8011"]
 SERVERS = {  # name: extra arguments
     "direct": ["--threads", "2"],
-    "ray, 1 replica": ["--ray", "--threads", "2", "--metrics-port", "8092"],
-    "ray, 2 replicas (1 thread each)": ["--ray", "--replicas", "2", "--threads", "1", "--metrics-port", "8092"],
+    "ray, 1 replica": ["--ray", "--threads", "2"],
+    "ray, 2 replicas (1 thread each)": ["--ray", "--replicas", "2", "--threads", "1"],
 }
 URL = "http://127.0.0.1:8011"
 
@@ -72,7 +72,8 @@ def main() -> None:
     runs: list[dict] = []
     for repeat in range(a.repeats):
         for name, args in SERVERS.items():
-            proc = started(args, Path(a.out).with_name(f"serve-{len(runs)}.log"))
+            metrics = ["--metrics-port", str(8200 + len(runs))] if "--ray" in args else []  # a fresh port each
+            proc = started(args + metrics, Path(f"/tmp/speculor-cpu-ray-serve-{len(runs)}.log"))
             try:
                 answers: dict[str, str] = {}
                 rows = loadtest.run(URL, texts, clients, max_tokens=a.max_tokens, reference=True, answers=answers)

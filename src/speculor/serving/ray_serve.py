@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -378,12 +379,23 @@ def check_fits(s: RaySettings) -> None:
                             "nodes")
 
 
+def port_free(port: int, flag: str) -> None:
+    """Refuse a port that something here already listens on (Ray's metrics agent would fail obscurely)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError as exc:
+            raise SpeculorError(f"{flag} {port} is not free here ({exc.strerror}): give another port") from None
+
+
 def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP) -> None:
     """`speculor serve --ray`: start Ray here (or join `address`), deploy, serve until interrupted, then drain."""
     check_strategy(s)  # before anything is started
     for sig in (signal.SIGINT, signal.SIGTERM):  # both drain (a background job may have inherited SIGINT ignored)
         signal.signal(sig, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not address:
+        port_free(metrics_port, "--metrics-port")
     try:
         if address:
             ray.init(address=address)
