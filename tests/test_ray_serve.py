@@ -26,7 +26,8 @@ from speculor import SpeculorError  # noqa: E402
 from speculor.bench import loadtest  # noqa: E402
 from speculor.runtime.loading import load_pair  # noqa: E402
 from speculor.serving.app import create_app  # noqa: E402
-from speculor.serving.ray_serve import REPLICA_HEADER, RaySettings, application, check_fits, replica_states  # noqa: E402
+from speculor.serving.ray_config import RaySettings, check_fits  # noqa: E402
+from speculor.serving.ray_serve import REPLICA_HEADER, application, replica_states  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 METRICS_PORT = 18_097

@@ -32,7 +32,7 @@ TAKEN_BY = {
     "k_max": ("specdecpp",),
 }
 
-# `speculor serve`'s Ray Serve options (cli._add_ray_args), each a field of serving.ray_serve.RaySettings
+# `speculor serve`'s Ray Serve options (cli._add_ray_args), each a field of serving.ray_config.RaySettings
 RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_cpus", "replica_memory_gib",
             "replica_gpus", "max_queued_requests", "drain_s")
 
@@ -304,7 +304,8 @@ def cmd_serve(args: Args) -> None:
 def _serve_on_ray(args: Args) -> None:
     """`speculor serve --ray`: the same app on Ray Serve (serving/ray_serve.py)."""
     from speculor.serving.app import DEFAULT_STRATEGY
-    from speculor.serving.ray_serve import RaySettings, run
+    from speculor.serving.ray_config import RaySettings
+    from speculor.serving.ray_serve import run
 
     strategy = args.strategy
     args.strategy = strategy or DEFAULT_STRATEGY[0]

@@ -28,18 +28,14 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -50,6 +46,7 @@ from speculor.errors import SpeculorError
 from speculor.serving.app import Stream, build_app, make_server
 from speculor.serving.errors import APIError, bad_request
 from speculor.serving.metrics import Metrics
+from speculor.serving.ray_config import RaySettings, check_fits, check_strategy, port_free
 from speculor.serving.ray_metrics import Ray
 from speculor.serving.schemas import MAX_N, ChatRequest, CompletionRequest, GenerationRequest
 
@@ -59,99 +56,6 @@ APP = "speculor"  # the Ray Serve application's default name
 REPLICA_HEADER = "x-speculor-replica"
 RETRIES = 2  # other replicas tried for a request whose replica died before its response began
 GONE = (RayActorError, DeploymentUnavailableError)  # the replica died, or none is there
-
-
-class RaySettings(BaseModel):
-    """What `speculor serve --ray` and a `serve run`/`serve deploy` config's args set (unknown keys are refused)."""
-
-    model_config = ConfigDict(extra="forbid")
-    # the pair, as `speculor serve` loads it (commands.load_pair_from_args)
-    target: str = "default"
-    draft: str = "default"  # "none" for no draft
-    backend: Literal["auto", "torch", "llama.cpp"] = "torch"
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kernels: Literal["fast", "eager"] = "fast"
-    threads: int | None = Field(None, ge=1)
-    draft_vocab: int | None = None
-    offload: bool = False
-    # the engine
-    strategy: str | None = None  # None: the server's default (app.DEFAULT_STRATEGY)
-    options: dict[str, Any] = {}
-    queue_size: int = Field(64, ge=1)
-    max_batch: int = Field(8, ge=1, le=256)
-    max_queued_requests: int = Field(-1, ge=-1)  # waiting at an ingress for a replica; -1: no bound (Ray's default)
-    # Ray Serve
-    replicas: int = Field(1, ge=1)
-    min_replicas: int | None = Field(None, ge=0)  # autoscaling when max_replicas is set
-    max_replicas: int | None = Field(None, ge=1)
-    target_ongoing_requests: float | None = Field(None, gt=0)  # default: max_batch
-    replica_cpus: float | None = Field(None, ge=0)  # default: threads (1 if not given)
-    replica_memory_gib: float | None = Field(None, ge=0)  # default: the pair's weight files + 1 GiB, where known
-    replica_gpus: float | None = Field(None, ge=0)  # default: 1 on cuda
-    ingress_replicas: int = Field(1, ge=1)
-    drain_s: float = Field(300.0, ge=0)  # a stopped replica's wait for its requests to finish
-
-    @model_validator(mode="after")
-    def _autoscaling(self) -> RaySettings:
-        if (self.min_replicas is not None or self.target_ongoing_requests is not None) and self.max_replicas is None:
-            raise ValueError("autoscaling needs max_replicas (min_replicas and target_ongoing_requests go with it)")
-        if self.max_replicas is not None and (self.min_replicas or 0) > self.max_replicas:
-            raise ValueError("min_replicas must not exceed max_replicas")
-        return self
-
-    @classmethod
-    def of(cls, args: dict[str, Any]) -> RaySettings:
-        """Settings from a dict (e.g. `serve run` args, strings included); a bad one is a SpeculorError."""
-        try:
-            return cls.model_validate(args)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "settings"
-            raise SpeculorError(f"Ray Serve settings: {where}: {first['msg']}") from None
-
-    def model_args(self) -> SimpleNamespace:
-        return SimpleNamespace(target=self.target, draft=self.draft, backend=self.backend, device=self.device,
-                               dtype=self.dtype, kernels=self.kernels, threads=self.threads,
-                               draft_vocab=self.draft_vocab, offload=self.offload)
-
-    def actor_options(self) -> dict[str, Any]:
-        """What each replica asks Ray for: CPUs, memory for the pair, a GPU on cuda."""
-        cpus = self.replica_cpus if self.replica_cpus is not None else float(self.threads or 1)
-        gpus = self.replica_gpus if self.replica_gpus is not None else float(self.device.startswith("cuda"))
-        gib = self.replica_memory_gib if self.replica_memory_gib is not None else pair_memory_gib(self)
-        options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus}
-        if gib:
-            options["memory"] = int(gib * 2**30)
-        return options
-
-    def scaling(self) -> dict[str, Any]:
-        if self.max_replicas is None:
-            return {"num_replicas": self.replicas}
-        return {"autoscaling_config": {"min_replicas": self.min_replicas or 0, "max_replicas": self.max_replicas,
-                                       "target_ongoing_requests": self.target_ongoing_requests or self.max_batch}}
-
-
-def pair_memory_gib(s: RaySettings) -> float | None:
-    """The pair's weight files as this machine has them + 1 GiB (caches, runtime); None where they are not here."""
-    from speculor.runtime import embedded
-
-    total = 0
-    for spec in (s.target, None if s.draft == "none" else s.draft):
-        if spec is None:
-            continue
-        name = embedded.named(spec, None)[0]
-        if name in embedded.EMBEDDED:
-            path = embedded.cache_dir() / "gguf" if s.backend == "llama.cpp" else embedded.model_dir(name)
-            files = list(path.glob("*.gguf" if s.backend == "llama.cpp" else "*.safetensors"))
-            files = [f for f in files if s.backend != "llama.cpp" or f.stem.startswith(name)]
-        else:
-            path = Path(spec).expanduser()
-            files = [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.gguf"))
-        if not files:
-            return None
-        total += sum(f.stat().st_size for f in files)
-    return round(total / 2**30 + 1.0, 2)
 
 
 @dataclass(frozen=True)
@@ -357,35 +261,6 @@ def build(args: dict[str, Any]) -> Any:
     s = RaySettings.of(args)
     check_strategy(s)
     return application(s)
-
-
-def check_strategy(s: RaySettings) -> None:
-    from speculor.commands import check_options
-    from speculor.serving.app import DEFAULT_STRATEGY
-
-    check_options(s.strategy or DEFAULT_STRATEGY[0], s.options)
-
-
-def check_fits(s: RaySettings) -> None:
-    """Refuse, before deploying, replicas that no node of the cluster could hold (Ray would wait for one forever)."""
-    need = s.actor_options()
-    want = {"CPU": need["num_cpus"], "GPU": need["num_gpus"], "memory": need.get("memory", 0)}
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if not any(all(n.get(k, 0) >= v for k, v in want.items() if v) for n in nodes):
-        have = [{k: round(n.get(k, 0) / (2**30 if k == "memory" else 1), 2) for k in want} for n in nodes]
-        raise SpeculorError(f"no node of this Ray cluster can hold a replica: each asks for {need['num_cpus']:g} CPUs, "
-                            f"{need['num_gpus']:g} GPUs and {want['memory'] / 2**30:.2f} GiB of memory; the nodes "
-                            f"have {have} (memory in GiB). Give --replica-cpus/--replica-memory-gib/--threads, or add "
-                            "nodes")
-
-
-def port_free(port: int, flag: str) -> None:
-    """Refuse a port that something here already listens on (Ray's metrics agent would fail obscurely)."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError as exc:
-            raise SpeculorError(f"{flag} {port} is not free here ({exc.strerror}): give another port") from None
 
 
 def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP) -> None:
