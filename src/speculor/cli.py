@@ -176,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+# `speculor serve`'s Ray Serve options, each a field of serving.ray_config.RaySettings
+RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_cpus", "replica_memory_gib",
+            "replica_gpus", "max_queued_requests", "drain_s")
+
+
 def _add_ray_args(s: argparse.ArgumentParser) -> None:
     """`speculor serve --ray`: the same app on Ray Serve (serving/ray_serve.py); each option is RaySettings'."""
     r = s.add_argument_group("Ray Serve", "with --ray: an ingress deployment with this server's routes in front of "

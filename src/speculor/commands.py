@@ -32,11 +32,6 @@ TAKEN_BY = {
     "k_max": ("specdecpp",),
 }
 
-# `speculor serve`'s Ray Serve options (cli._add_ray_args), each a field of serving.ray_config.RaySettings
-RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_cpus", "replica_memory_gib",
-            "replica_gpus", "max_queued_requests", "drain_s")
-
-
 def check_options(strategy: str, options: dict) -> None:
     """The registry's check of a strategy's name and options, run before a model is loaded (imports torch)."""
     from speculor.drafters.registry import check_options as check
@@ -281,17 +276,20 @@ def cmd_fetch_models(args: Args) -> None:
 
 
 def cmd_serve(args: Args) -> None:
+    from speculor.cli import RAY_ARGS
     from speculor.serving.app import DEFAULT_STRATEGY, serve
 
-    if args.ray or args.ray_address:
-        return _serve_on_ray(args)
     given = [name for name in RAY_ARGS if getattr(args, name, None) is not None]
-    if given:
+    if given and not (args.ray or args.ray_address):
         raise SpeculorError(f"--{given[0].replace('_', '-')} is a Ray Serve option: add --ray")
     default = args.strategy is None
     if default:  # the batch-aware strategy
         args.strategy = DEFAULT_STRATEGY[0]
-    options = _strategy_options(args)  # refused before the pair is loaded
+    options = _strategy_options(args)  # refused before the pair is loaded (or Ray started)
+    if args.ray or args.ray_address:  # the same app on Ray Serve, replicas loading the pair
+        from speculor.serving.ray_serve import serve_cli
+
+        return serve_cli(args, None if default else args.strategy, options, given)
     pair = load_pair_from_args(args)
     if default and pair.draft_tokenizer is None:
         options = {**DEFAULT_STRATEGY[1], **options}
@@ -299,24 +297,6 @@ def cmd_serve(args: Args) -> None:
         args.strategy = None
     serve(pair, host=args.host, port=args.port, strategy=args.strategy, queue_size=args.queue_size,
           max_batch=args.max_batch, **options)
-
-
-def _serve_on_ray(args: Args) -> None:
-    """`speculor serve --ray`: the same app on Ray Serve (serving/ray_serve.py)."""
-    from speculor.serving.app import DEFAULT_STRATEGY
-    from speculor.serving.ray_config import RaySettings
-    from speculor.serving.ray_serve import run
-
-    strategy = args.strategy
-    args.strategy = strategy or DEFAULT_STRATEGY[0]
-    options = _strategy_options(args)  # refused before Ray is started
-    ray = {name: getattr(args, name) for name in RAY_ARGS if getattr(args, name, None) is not None}
-    settings = RaySettings.of({"target": args.target, "draft": args.draft, "backend": args.backend,
-                               "device": args.device, "dtype": args.dtype, "kernels": args.kernels,
-                               "threads": args.threads, "draft_vocab": args.draft_vocab, "offload": args.offload,
-                               "strategy": strategy, "options": options, "queue_size": args.queue_size,
-                               "max_batch": args.max_batch, **ray})
-    run(settings, host=args.host, port=args.port, address=args.ray_address, metrics_port=args.metrics_port)
 
 
 def cmd_loadtest(args: Args) -> None:

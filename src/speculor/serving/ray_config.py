@@ -63,6 +63,12 @@ class RaySettings(BaseModel):
             where = ".".join(str(p) for p in first["loc"]) or "settings"
             raise SpeculorError(f"Ray Serve settings: {where}: {first['msg']}") from None
 
+    def replica_args(self) -> dict[str, Any]:
+        """What a replica is made from: the pair and the engine, not the scaling (a change of scale then restarts no
+        replica: Ray Serve starts a new version only when these change)."""
+        return self.model_dump(include={"target", "draft", "backend", "device", "dtype", "kernels", "threads",
+                                        "draft_vocab", "offload", "strategy", "options", "queue_size", "max_batch"})
+
     def model_args(self) -> SimpleNamespace:
         return SimpleNamespace(target=self.target, draft=self.draft, backend=self.backend, device=self.device,
                                dtype=self.dtype, kernels=self.kernels, threads=self.threads,

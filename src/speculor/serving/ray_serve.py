@@ -249,10 +249,11 @@ def application(s: RaySettings) -> Any:
 
     replica = Replica.options(ray_actor_options=s.actor_options(), max_ongoing_requests=s.max_batch + s.queue_size,
                               max_queued_requests=s.max_queued_requests, graceful_shutdown_timeout_s=s.drain_s,
-                              **s.scaling()).bind(s.model_dump())
+                              **s.scaling()).bind(s.replica_args())
     model = embedded.named(s.target, None)[0]
     return Ingress.options(num_replicas=s.ingress_replicas, ray_actor_options={"num_cpus": 0},
-                           max_ongoing_requests=10_000).bind(replica, model, s.max_queued_requests)
+                           max_ongoing_requests=10_000, graceful_shutdown_timeout_s=s.drain_s
+                           ).bind(replica, model, s.max_queued_requests)
 
 
 def build(args: dict[str, Any]) -> Any:
@@ -263,11 +264,17 @@ def build(args: dict[str, Any]) -> Any:
     return application(s)
 
 
+def serve_cli(args: Any, strategy: str | None, options: dict[str, Any], ray_args: list[str]) -> None:
+    """`speculor serve --ray`: its arguments (argparse's; `ray_args` the Ray options given) as settings, then `run`."""
+    names = ("target", "draft", "backend", "device", "dtype", "kernels", "threads", "draft_vocab", "offload",
+             "queue_size", "max_batch", *ray_args)
+    settings = RaySettings.of({n: getattr(args, n) for n in names} | {"strategy": strategy, "options": options})
+    run(settings, host=args.host, port=args.port, address=args.ray_address, metrics_port=args.metrics_port)
+
+
 def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP) -> None:
     """`speculor serve --ray`: start Ray here (or join `address`), deploy, serve until interrupted, then drain."""
     check_strategy(s)  # before anything is started
-    for sig in (signal.SIGINT, signal.SIGTERM):  # both drain (a background job may have inherited SIGINT ignored)
-        signal.signal(sig, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not address:
         port_free(metrics_port, "--metrics-port")
@@ -279,6 +286,8 @@ def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_po
     except Exception as exc:  # noqa: BLE001 - Ray raises bare Exceptions for a node that does not start
         where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
         raise SpeculorError(f"could not start or reach {where}: {exc}") from None
+    for sig in (signal.SIGINT, signal.SIGTERM):  # both drain; set after ray.init, whose own handler aborts
+        signal.signal(sig, signal.default_int_handler)
     try:
         check_fits(s)
         serve.start(http_options={"host": host, "port": port})
