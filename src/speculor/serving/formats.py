@@ -2,7 +2,7 @@
 
 Contract: `Format` builds the OpenAI bodies of one request (text or chat completion, one choice per job, whole
 or as stream chunks, log-probabilities and usage included); `sse_stream` turns the jobs' events into the
-server-sent-events body that ends with `data: [DONE]`, sent by `JobStream`, which cancels the jobs however the
+server-sent-events body that ends with `data: [DONE]`, sent by `EventStream`, which cancels the jobs however the
 response ends; `collect` waits for whole generations, cancelling them if the client hangs up, and raises a
 job's APIError if it failed.
 """
@@ -170,20 +170,21 @@ async def sse_stream(jobs: list[Job], fmt: Format, include_usage: bool) -> Async
     yield _sse("[DONE]")
 
 
-class JobStream(StreamingResponse):
-    """An SSE response that cancels its jobs however it ends: finished, client gone, or never started."""
+class EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends: finished, client gone, or never started (it cancels
+    the jobs behind the events: this process's, or a Ray Serve replica's)."""
 
-    def __init__(self, jobs: list[Job], content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.jobs = jobs
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            for job in self.jobs:
-                job.cancel.set()  # a no-op once the job has ended
+            self.on_close()  # a no-op once the generation has ended
 
 
 async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:

@@ -99,10 +99,10 @@ def pair_memory_gib(s: RaySettings) -> float | None:
     for name in embedded.named(s.target, None if s.draft == "none" else s.draft):
         if name is None:
             continue
-        if name in embedded.EMBEDDED:
-            path = embedded.cache_dir() / "gguf" if s.backend == "llama.cpp" else embedded.model_dir(name)
-            files = list(path.glob("*.gguf" if s.backend == "llama.cpp" else "*.safetensors"))
-            files = [f for f in files if s.backend != "llama.cpp" or f.stem.startswith(name)]
+        if name in embedded.EMBEDDED and s.backend == "llama.cpp":
+            files = [f for f in (embedded.gguf_path(name),) if f.exists()]
+        elif name in embedded.EMBEDDED:
+            files = list(embedded.model_dir(name).glob("*.safetensors"))
         else:
             path = Path(name).expanduser()
             files = [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.gguf"))

@@ -35,16 +35,16 @@ from typing import Any
 
 import ray
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
-from starlette.types import Receive, Scope, Send
 
 from speculor.errors import SpeculorError
 from speculor.serving.app import Stream, build_app, make_server
 from speculor.serving.errors import APIError, bad_request
+from speculor.serving.formats import EventStream
 from speculor.serving.metrics import Metrics
 from speculor.serving.ray_config import RaySettings, check_fits, check_strategy, port_free
 from speculor.serving.ray_metrics import Ray
@@ -180,7 +180,7 @@ class RayService:
             if head.status == 429:
                 headers["Retry-After"] = "1"
             return JSONResponse(head.body, status_code=head.status, headers=headers)
-        return RelayedStream(answer, headers)
+        return EventStream(relay(answer), answer.cancel, headers)  # the client left: the replica stops
 
     async def health(self) -> dict[str, Any]:
         """Ready when a replica runs: the replicas by state (Ray Serve's), and one replica's own health."""
@@ -204,22 +204,8 @@ def replica_states(name: str = APP) -> dict[str, int]:
     return {str(k): v for k, v in (deployment.replica_states if deployment else {}).items()}
 
 
-class RelayedStream(StreamingResponse):
-    """A replica's server-sent events, relayed; a replica that dies mid-stream ends it with an error event."""
-
-    def __init__(self, answer: Any, headers: dict[str, str]) -> None:
-        super().__init__(relay(answer), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-        self.answer = answer
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.answer.cancel()  # the client left: the replica stops the generation (a no-op once it ended)
-
-
 async def relay(answer: Any) -> AsyncIterator[str]:
+    """A replica's server-sent events; a replica that dies mid-stream ends them with an error event."""
     try:
         async for text in answer:
             yield text
