@@ -69,14 +69,25 @@ def test_tree_in_one_forward_equals_each_path_alone(draft):
         assert torch.equal(logits[row], alone(draft, PROMPT + path)), path
 
 
-def test_rows_equal_alone_over_a_long_context(draft):
-    """Over >= 512 cells llama.cpp splits a one-row call's attention across threads (with F16 keys and values);
-    with the backend's Q8_0 memory a row of a tree still gets the one-row bits."""
+def long_rows_alone(model) -> list[bool]:
+    """Per path of TREE after a 700-token context: whether its row in one tree forward equals the row alone."""
     long = (PROMPT * 60)[:700]
-    cache = prefilled(draft, long[:-1])
-    logits = forward1(draft, cache, [long[-1]] + TREE, torch.tensor(PARENTS))
-    for row, path in PATHS.items():
-        assert torch.equal(logits[row], alone(draft, long + path, prefix=len(long) - 1)), path
+    cache = prefilled(model, long[:-1])
+    logits = forward1(model, cache, [long[-1]] + TREE, torch.tensor(PARENTS))
+    return [torch.equal(logits[row], alone(model, long + path, prefix=len(long) - 1)) for row, path in PATHS.items()]
+
+
+def test_rows_equal_alone_over_a_long_context(draft):
+    """Over >= 512 cells llama.cpp splits a one-row call's attention across threads when keys and values have one
+    type; with the backend's Q8_0 keys and F16 values a row of a tree still gets the one-row bits."""
+    assert all(long_rows_alone(draft))
+
+
+def test_keys_and_values_of_one_type_differ_over_a_long_context(llama_pair, monkeypatch):
+    """Negative control: F16 keys and values (llama.cpp's default) give a tree's rows other bits than rows alone."""
+    monkeypatch.setattr(llama, "KV_TYPES", ("F16", "F16"))
+    f16 = llama.LlamaModel(llama_pair.draft.path, threads=2)
+    assert not all(long_rows_alone(f16))
 
 
 def test_rows_past_the_limit_in_one_call_differ(draft, monkeypatch):

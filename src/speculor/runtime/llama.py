@@ -12,9 +12,10 @@ accepted path: the path's cells take the base id (`seq_cp`), every other id of t
 Same bits as plain decoding, in two parts:
 - the rows: ggml's CPU kernels give a row different bits in calls of different sizes (the repacked Q4_K kernels
   multiply 4 rows at a time, 1 to 3 rows by a vector kernel; attention differs unless flash attention is on, and
-  with F16 keys and values a one-row call over 512 cells or more splits them across threads, a call of 2 rows
-  does not). A row computed in a call of at most EXACT_ROWS rows, flash attention on over a Q8_0 KV memory, gets
-  the bits of a one-row call at any context length
+  when keys and values have one type, F16 (F32 is cast to F16 first), ggml's flash attention splits a one-row
+  call over 512 cells or more across threads and tiles a call of 64 rows or more, a call of 2 rows neither). A row
+  computed in a call of at most EXACT_ROWS rows, flash attention on over Q8_0 keys and F16 values (two types:
+  every call takes the row-by-row path), gets the bits of a one-row call at any context length
   (tests/test_llama.py, with the negative control), so tree and chain blocks (decoding, verification, drafting)
   run in calls of at most EXACT_ROWS rows, packed with other requests' blocks; a prompt (a chain of more rows)
   gets calls of its own, the same whatever shares the batch.
@@ -41,6 +42,8 @@ from speculor.runtime.backend import Block, fit_vocab
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
+KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
+# nor tiles a call (module docstring); Q8_0 values were as exact, and prefilled at 0.74x llama.cpp (docs/bench/kv.md)
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
 
@@ -94,7 +97,7 @@ class LlamaModel:
         cp.n_threads = cp.n_threads_batch = threads
         cp.kv_unified = True  # one memory for every sequence: a cell may belong to several (tree paths)
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # a row's attention then does not depend on its call
-        cp.type_k = cp.type_v = L.GGML_TYPE_Q8_0  # F16 keys and values: one row over >= 512 cells splits them
+        cp.type_k, cp.type_v = (getattr(L, f"GGML_TYPE_{t}") for t in KV_TYPES)  # unequal: no split, no tiles
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -136,7 +139,8 @@ class LlamaModel:
     def cost_key(self) -> str:
         buf = ctypes.create_string_buffer(256)
         self.L.llama_model_desc(self.model, buf, 256)
-        return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} exact{EXACT_ROWS} kv q8_0"
+        kv = "/".join(KV_TYPES).lower()
+        return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} exact{EXACT_ROWS} kv {kv}"
 
     def vocabulary(self) -> list[bytes]:
         """Every token's text (to check that a draft shares the target's vocabulary)."""
