@@ -100,7 +100,7 @@ def test_loadtest_refuses_bad_clients(capsys) -> None:
     (["--strategy", "sequoia", "--k", "2", "--head", "h"],
      "strategy 'sequoia' takes no option 'head', 'k' (its options: budget, depth, width, acc)"),
     (["--strategy", "specdecpp", "--width", "4"],
-     "strategy 'specdecpp' takes no option 'width' (its options: threshold, k_min, k_max, head)"),
+     "strategy 'specdecpp' takes no option 'width' (its options: threshold, k_min, k_max, head, budget)"),
     (["--strategy", "plain", "--k", "2"], "strategy 'plain' takes no option 'k' (its options: none)"),
 ])
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
@@ -196,6 +196,13 @@ def test_the_clis_static_tables_agree_with_the_registry() -> None:
 
     assert cli.STRATEGIES == tuple(BUILDERS)
     assert cli.TAKEN_BY == {opt: tuple(n for n in BUILDERS if opt in options_of(n)) for opt in cli.TAKEN_BY}
+
+
+def test_the_default_backend_is_auto_but_where_transformers_models_are_trained() -> None:
+    for command in (["generate", "--prompt", "hi"], ["bench"], ["calibrate"], ["profile"], ["serve"]):
+        assert cli._parser().parse_args(command).backend == "auto", command
+    for command in (["train-head"], ["tune-threshold"]):  # the SpecDec++ head reads the draft's transformers model
+        assert cli._parser().parse_args(command).backend == "torch", command
 
 
 def test_bench_help_shows_the_bench_defaults(capsys) -> None:

@@ -21,7 +21,7 @@ Args = Any  # the argparse.Namespace of the command
 STRATEGIES = ("plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle")
 TAKEN_BY = {
     "k": ("chain", "ngram", "topk-tree", "gsd"),
-    "budget": ("sequoia", "ngram", "dyspec", "topk-tree", "gsd", "eagle"),
+    "budget": ("sequoia", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle"),
     "depth": ("sequoia", "dyspec", "topk-tree", "gsd", "eagle"),
     "width": ("sequoia",),
     "acc": ("sequoia",),
@@ -65,7 +65,7 @@ def load_pair_from_args(args: Args):
     fast = kernels == "fast"
     return load_pair(args.target, draft, device=args.device, dtype=torch_dtype(args), packed=fast,
                      draft_int8=fast, draft_vocab=getattr(args, "draft_vocab", None),
-                     offload=getattr(args, "offload", False), backend=getattr(args, "backend", "torch"),
+                     offload=getattr(args, "offload", False), backend=getattr(args, "backend", "auto"),
                      threads=getattr(args, "threads", None))
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+MARGIN = 1.15  # how much better than plain a draft must be predicted to be alone: the bench's band of model error
+
 
 class Costs(Protocol):
     """Seconds of a target forward over n rows and of a draft forward over w rows (runtime/cost.CostModel)."""
@@ -24,6 +26,18 @@ class Costs(Protocol):
 def rate(cost: Costs, tokens: float, rows: int, draft_s: float = 0.0) -> float:
     """Expected tokens per second of a step of `rows` target rows worth `tokens`, after `draft_s` of drafting."""
     return tokens / (draft_s + cost.t_target(rows))
+
+
+def chain_can_pay(cost: Costs, depth: int, margin: float) -> bool:
+    """Could a chain of k <= depth draft tokens beat plain decoding by `margin` even if every one were accepted?
+    Its catch-up feeds the last accepted token and the bonus (two rows), then k - 1 single rows:
+
+        (k + 1) / (t_draft(2) + (k - 1) t_draft(1) + t_target(k + 1))  >  margin / t_target(1)
+
+    Where a draft forward costs a good part of a target step and rows are not free (a 0.5B draft on llama.cpp's
+    two-core kernels), none can: the request decodes plainly, and its draft model is never fed."""
+    return any((k + 1) / (cost.t_draft(2) + (k - 1) * cost.t_draft(1) + cost.t_target(k + 1))
+               > margin / cost.t_target(1) for k in range(1, depth + 1))
 
 
 def others(ledger: object | None, cost: Costs) -> tuple[float, int, float]:

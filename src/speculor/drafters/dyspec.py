@@ -38,6 +38,8 @@ from typing import Any, Literal
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
+from speculor.core import goodput
+from speculor.core.goodput import MARGIN
 from speculor.core.tree import EMPTY
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchAware, BatchLedger, Proposal, Shared, behind, catch_up, feed, keep_fed_path
@@ -50,7 +52,6 @@ from speculor.runtime.loading import Pair
 Variant = Literal["heap", "threshold"]
 AUTO_CAP = 64  # most draft tokens per step with budget="auto"
 AUTO_THRESHOLD = 1e-3  # smallest draw value with budget="auto" (the cost model decides above it)
-MARGIN = 1.15  # how much better than plain a chain must be predicted to be alone: the bench's band of model error
 FIRST_RATE = 0.8  # prior of the share of steps whose first draft token is accepted (batch-aware auto budget)
 
 
@@ -183,15 +184,8 @@ class DySpecDrafter(BatchAware):
     @property
     def can_pay(self) -> bool:
         """Alone: could a chain of k <= depth draft tokens pay even if every one were accepted, by more than the cost
-        model's error band (MARGIN; its catch-up feeds the last accepted token and the bonus: two rows)?
-
-            (k + 1) / (t_draft(2) + (k - 1) t_draft(1) + t_target(k + 1))  >  MARGIN / t_target(1)
-
-        Where a draft forward costs a good part of a target step and rows are not free (the 0.5B draft on
-        llama.cpp), none can: the request decodes plainly."""
-        c = self.cost
-        return any((k + 1) / (c.t_draft(2) + (k - 1) * c.t_draft(1) + c.t_target(k + 1)) > MARGIN / c.t_target(1)
-                   for k in range(1, self.opts.depth + 1))
+        model's error band (MARGIN; core/goodput.chain_can_pay)?"""
+        return goodput.chain_can_pay(self.cost, self.opts.depth, MARGIN)
 
     def _speculation_pays(self, seq: list[int], cfg: SamplingConfig) -> Generator[Any, Any, bool]:
         """In a batch: is a first draft token worth its row, at the rate first tokens were accepted so far? Its

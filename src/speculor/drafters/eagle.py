@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from speculor.drafters.base import Drafter, Shared
+from speculor.config import SamplingConfig
+from speculor.drafters.base import Drafter, Proposal, Shared
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.merged import MergedDrafter
 from speculor.errors import SpeculorError
@@ -63,8 +64,16 @@ def pool(pair: Pair, heads: str | None = None) -> list[HeadModel]:
         else:
             embed = torch_embedding(target.model)
         _POOLS[key] = [HeadModel(h, embed, vocab_size=target.vocab_size, context_length=target.context_length,
-                                 name=f"eagle-ssm{k}") for k, h in enumerate(found, 1)]
+                                 name=f"eagle-ssm{k}", first_rate=heldout_first_rate(manifest, k))
+                       for k, h in enumerate(found, 1)]
     return _POOLS[key]
+
+
+def heldout_first_rate(manifest: dict, k: int) -> float | None:
+    """SSM k's first-token acceptance on the pool's held-out prompts (mean over its sets), if the manifest has it."""
+    rates = [s[f"ssm{k}"]["acceptance"][0] for s in manifest.get("heldout", {}).values()
+             if isinstance(s, dict) and f"ssm{k}" in s]
+    return sum(rates) / len(rates) if rates else None
 
 
 def head_cost(pair: Pair, head: HeadModel, repeats: int = 5) -> CostModel:
@@ -97,10 +106,23 @@ class EagleDrafter(DySpecDrafter):
     def __init__(self, head: HeadModel, opts: DySpecOptions, cost: CostModel | None) -> None:
         self.store = FeatureStore()
         super().__init__(head.bind(self.store), opts, cost)
+        if head.first_rate is not None:  # the prior of the first-token rate: the head's measured one
+            self.first_rate = head.first_rate
+        self.gave_up = False  # alone, auto, and it cannot pay: it never drafts again, so it reads no features
 
     def reset(self) -> None:
         self.store.clear()
+        self.gave_up = False
         super().reset()
+
+    @property
+    def reads_features(self) -> bool:
+        return not self.gave_up
+
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        tree = yield from super().propose(seq, cfg, generator)
+        self.gave_up = self.skipped and self.ledger is None  # alone, `can_pay` only falls (a is frozen then)
+        return tree
 
     @property
     def can_pay(self) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from speculor.config import SamplingConfig, check_int, is_int
 from speculor.core import goodput
+from speculor.core.goodput import MARGIN
 from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees, tree_choices
 from speculor.core.tree import EMPTY
 from speculor.core.verify import Verdict
@@ -195,16 +196,16 @@ class SequoiaPlans:
             self._choices[key] = tree_choices(list(acc)[: self.opts.width], self.cost, AUTO_NODES, self.opts.depth + 1)
         return self._choices[key]
 
-    def for_batch(self, cfg: SamplingConfig, ledger: BatchLedger) -> Choice | None:
+    def for_batch(self, cfg: SamplingConfig, ledger: BatchLedger, margin: float = 1.0) -> Choice | None:
         """The tree that maximises the batch's expected tokens per second given what the rest of the batch drafted
-        (docs/algorithms.md §11), None when decoding this request plainly does:
+        (docs/algorithms.md §11), None when decoding this request plainly does (by `margin`):
 
             (T_o + F(T)) / (D_o + draft(T) + t_target(R_o + |T| + 1))   against   (T_o + 1) / (D_o + t_target(R_o + 1))
         """
         if ledger.filling:  # prompt chunks in the step: drafting would hold up their requests (dyspec.py)
             return None
         t_o, r_o, d_o = goodput.others(ledger, self.cost)
-        best, best_rate = None, goodput.rate(self.cost, t_o + 1, r_o + 1, d_o)
+        best, best_rate = None, margin * goodput.rate(self.cost, t_o + 1, r_o + 1, d_o)
         for c in self.choices(cfg):  # draft(T) as alone: a shared round is mostly paid whoever drafts (dyspec.py)
             draft_s = c.step_s - self.cost.t_target(c.n)
             rate = goodput.rate(self.cost, t_o + c.expected_tokens, r_o + c.n, d_o + draft_s)
@@ -237,14 +238,17 @@ class SequoiaDrafter(BatchAware):
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         plan = self.plans.plan(cfg)
         shape, self.expected_tokens = list(plan.shape), plan.expected_tokens
-        if self.batch_aware and self.ledger is not None:  # decided from the batch and the plans: exact
-            choice = self.plans.for_batch(cfg, self.ledger)
+        if self.batch_aware:  # decided from the batch (alone: by MARGIN) and the plans: exact; a request that
+            # decodes plainly never feeds its draft model
+            alone = self.ledger is None
+            choice = self.plans.for_batch(cfg, BatchLedger() if alone else self.ledger, MARGIN if alone else 1.0)
             self.skipped = choice is None
             if self.skipped:
                 self.forwards, self.expected_tokens = 0, 1.0
                 return EMPTY
             shape, self.expected_tokens = list(choice.shape), choice.expected_tokens
-            self.ledger.publish(choice.n, choice.expected_tokens)  # before drafting: the requests after it see it
+            if not alone:
+                self.ledger.publish(choice.n, choice.expected_tokens)  # before drafting: the requests after it see it
         if self.inner is None or self.inner.shape != shape:
             self.inner = TreeDrafter(self.plans.draft, shape, draw="swor", cache=self.cache)
         tree = yield from self.inner.propose(seq, cfg, generator)

@@ -33,13 +33,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from speculor.config import SamplingConfig, check_int, is_int
-from speculor.core.tree import DraftTree
+from speculor.core import goodput
+from speculor.core.goodput import MARGIN, Costs
+from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import Drafter, Forward, Proposal, Shared, catch_up, draw, keep_chain
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
 from speculor.runtime.assets import cache_dir
 from speculor.runtime.backend import Backend, Block
+from speculor.runtime.cost import machine_cost
 from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 
@@ -219,7 +222,10 @@ class SpecDecPPDrafter(Drafter):
     """
 
     def __init__(self, model: Backend, head: Head, thresholds: dict[float, float] | float = DEFAULT_THRESHOLD,
-                 k_min: int = BOUND[0], k_max: int = BOUND[1]) -> None:
+                 k_min: int = BOUND[0], k_max: int = BOUND[1], cost: Costs | None = None) -> None:
+        # with the machine's cost curve: no chain of k_max tokens could pay, so the request decodes plainly
+        # (decided from the curve alone: exact) and the draft is never fed
+        self.declines = cost is not None and not goodput.chain_can_pay(cost, k_max, MARGIN)
         table = (thresholds if isinstance(thresholds, dict) else {0.0: thresholds}) or {0.0: DEFAULT_THRESHOLD}
         self.rules = {float(t): StopRule(h, k_min, k_max) for t, h in table.items()}
         self.model, self.head, self.forwards, self.k = model, head, 0, 0
@@ -234,6 +240,9 @@ class SpecDecPPDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        if self.declines:
+            self.forwards = self.k = 0
+            return EMPTY
         rule = self.rule(cfg)
         logits = yield from catch_up(self.model, self.cache, seq)
         tokens, qs, cum, self.p_hat = [], [], 1.0, []
@@ -252,7 +261,8 @@ class SpecDecPPDrafter(Drafter):
         return DraftTree.chain(tokens, None if cfg.greedy else torch.stack(qs))
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
-        keep_chain(self.cache, n_committed, len(verdict.path), self.k - 1)
+        if self.k:
+            keep_chain(self.cache, n_committed, len(verdict.path), self.k - 1)
 
 
 def nearest_temperature(temps: list[float], t: float) -> float:
@@ -311,14 +321,19 @@ def save_threshold(path: Path, head_sha: str, temperature: float, result: dict[s
 @dataclass(frozen=True)
 class SpecDecPPOptions:
     """threshold: h (default: tuned for this head and temperature, else 0.3); (k_min, k_max): the chain's bounds;
-    head: a head file (default: the packaged head trained for the embedded pair)."""
+    head: a head file (default: the packaged head trained for the embedded pair); budget: "auto" declines to draft
+    where the machine's cost curve says no chain of k_max tokens could pay (goodput.chain_can_pay), "none" always
+    drafts."""
 
     threshold: float | None = None
     k_min: int = BOUND[0]
     k_max: int = BOUND[1]
     head: str | None = None
+    budget: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.budget not in ("auto", "none"):
+            raise SpeculorError(f"specdecpp's budget is 'auto' or 'none', got {self.budget!r}")
         StopRule(DEFAULT_THRESHOLD if self.threshold is None else self.threshold, self.k_min, self.k_max)
         if self.head is not None and not Path(self.head).expanduser().is_file():
             raise SpeculorError(f"no SpecDec++ head at {self.head!r}; train one with `speculor train-head`")
@@ -340,14 +355,15 @@ def cached_head(path: Path, device: torch.device) -> tuple[AcceptanceHead, dict[
 
 
 def make_specdecpp(pair: Pair, threshold: float | None = None, k_min: int = BOUND[0], k_max: int = BOUND[1],
-                   head: str | None = None) -> Shared:
+                   head: str | None = None, budget: str = "auto") -> Shared:
     """The `specdecpp` strategy: per request a SpecDecPPDrafter on the pair's draft with the chosen (shared) head and
-    threshold(s)."""
-    opts = SpecDecPPOptions(threshold, k_min, k_max, head)
+    threshold(s); with budget "auto", gated by the machine's cost curve."""
+    opts = SpecDecPPOptions(threshold, k_min, k_max, head, budget)
     if pair.draft is None:
         raise SpeculorError("strategy 'specdecpp' needs a draft model")
     path = Path(opts.head).expanduser() if opts.head else HEAD_FILE
     module, record, sha = cached_head(path, pair.draft.device)
     check_head_fits(record, pair.draft, pair.draft_name, explicit=opts.head is not None)
     table = {0.0: opts.threshold} if opts.threshold is not None else resolve_thresholds(path, sha)
-    return Shared(partial(SpecDecPPDrafter, pair.draft, module, table, opts.k_min, opts.k_max))
+    cost = machine_cost(pair) if opts.budget == "auto" else None
+    return Shared(partial(SpecDecPPDrafter, pair.draft, module, table, opts.k_min, opts.k_max, cost))

@@ -136,8 +136,8 @@ def block(req: Request, tree: DraftTree) -> Block:
 
 
 def reads_features(req: Request) -> bool:
-    """Whether the request's drafter reads the target's features (a `store`: drafters/eagle.py)."""
-    return getattr(req.drafter, "store", None) is not None
+    """Whether the request's drafter reads the target's features (a `store`: drafters/eagle.py) and still will."""
+    return getattr(req.drafter, "store", None) is not None and getattr(req.drafter, "reads_features", True)
 
 
 def keep_features(req: Request, start: int, out, rows: list[int] | None = None) -> None:

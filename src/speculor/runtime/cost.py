@@ -102,8 +102,10 @@ def time_forwards(model: Model, sizes: Sequence[int], *, prefix: int = 200, repe
                   tick: Callable[[], object] | None = None) -> list[float]:
     """Median seconds of one `model.forward` over a block of n tokens after `prefix` committed tokens, per n.
 
-    Every size is run once untimed first; the repeats then run in rounds over all sizes (not back to back), so a
-    burst of load from another process spreads over sizes instead of inflating one. Uses a cache of its own;
+    A block is a chain given as a tree (its parents), so it runs in the calls a draft tree of n rows runs in
+    (llama.cpp: EXACT_ROWS rows a call, runtime/llama.py), not in a prompt's. Every size is run once untimed
+    first; the repeats then run in rounds over all sizes (not back to back), so a burst of load from another
+    process spreads over sizes instead of inflating one. Uses a cache of its own;
     `tick()` after every forward.
     """
     cache = model.new_cache()
@@ -111,14 +113,17 @@ def time_forwards(model: Model, sizes: Sequence[int], *, prefix: int = 200, repe
     tokens = torch.randint(0, min(model.vocab_size, 1000), (prefix + max(sizes),), generator=g)
     forward1(model, cache, tokens[:prefix])
     cache.keep(list(range(prefix)))
+    def block(n: int):
+        return forward1(model, cache, tokens[prefix:prefix + n], torch.arange(-1, n - 1))
+
     for n in sizes:  # warm-up: every block size once, untimed (a cold first forward made t(1) read 0.37 s > t(4))
-        forward1(model, cache, tokens[prefix:prefix + n])
+        block(n)
     times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for i, n in enumerate(sizes):
             _sync(model)
             t0 = time.perf_counter()
-            forward1(model, cache, tokens[prefix:prefix + n])
+            block(n)
             _sync(model)
             times[i].append(time.perf_counter() - t0)
             if tick is not None:
@@ -142,7 +147,7 @@ def machine_key(pair: Pair) -> dict[str, str]:
     return {"node": platform.node(), "chip": chip, "threads": str(torch.get_num_threads()),
             "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
             "target": pair.target_name, "draft": pair.draft_name,
-            "kernels": f"{lm.cost_key} / {pair.draft.cost_key if pair.draft else '-'}"}
+            "kernels": f"{lm.cost_key} / {pair.draft.cost_key if pair.draft else '-'}", "blocks": "trees"}
 
 
 def _cpu_model() -> str:

@@ -243,8 +243,9 @@ class HeadModel:
     (runtime/backend.py). `bind(store)` makes a request's view; views batch with each other (`shared`)."""
 
     def __init__(self, head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], *, vocab_size: int,
-                 context_length: int, name: str = "eagle") -> None:
+                 context_length: int, name: str = "eagle", first_rate: float | None = None) -> None:
         self.head, self.embed, self.name = head.eval(), embed, name
+        self.first_rate = first_rate  # its held-out first-token acceptance (the pool's manifest), if measured
         self.vocab_size, self.context_length = vocab_size, context_length
         self.eos_ids: frozenset[int] = frozenset()
         self.device = head.ids.device
