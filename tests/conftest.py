@@ -10,7 +10,7 @@ NEW_TOKENS = 32  # greedy identity is checked over this many new tokens per prom
 def real_pair():
     from speculor import load_pair
 
-    return load_pair()
+    return load_pair(backend="torch")  # the fp32 reference the integration tests check against
 
 
 @pytest.fixture(scope="session")

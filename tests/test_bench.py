@@ -168,7 +168,7 @@ def test_peers_run_the_models_as_given_after_packing(pair, tmp_path, monkeypatch
     for name, lm in (("target", pair.target), ("draft", pair.draft)):
         lm.model.save_pretrained(tmp_path / name)
         pair.tokenizer.save_pretrained(tmp_path / name)
-    packed = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))
+    packed = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), backend="torch")
     assert is_packed(packed.target.model) and is_packed(packed.draft.model)
     target, draft = peers.models_as_given(packed, with_draft=True)
     assert not is_packed(target) and not is_packed(draft)
@@ -196,3 +196,27 @@ def test_peers_run_the_models_as_given_after_packing(pair, tmp_path, monkeypatch
         assert got == want and len(got) == 8
     gc.collect()
     assert len(loaded) == 3 and all(ref() is None for ref in loaded)  # target + draft, then target: all freed
+
+
+def test_quick_keeps_only_the_peers_that_run_beside_the_pair(pair, tmp_path, monkeypatch, capsys) -> None:
+    """--quick's own list (fit_peers): llama.cpp's peer needs a GGUF target, transformers' peers a pair on torch;
+    what is left out is said. Strategies given explicitly are kept as given."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from speculor.bench import peers
+    from speculor.runtime import llama
+    from speculor.runtime.embedded import DEFAULT_TARGET
+
+    monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: [Prompt("p", "mtbench", "w", TEXTS[0], True)])
+    monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path / "cache"))
+    assert bench_config("--quick").fit_peers and not bench_config("--quick", "--strategies", "plain").fit_peers
+    args = replace(bench_config("--strategies", "plain,llama.cpp,hf-prompt-lookup", "--limit", "1",
+                                "--max-new-tokens", "4", "--rounds", "1"), fit_peers=True)
+    summary = bench.run(args, lambda: pair)  # a tiny torch pair from no GGUF file
+    assert list(summary) == ["plain", "hf-prompt-lookup"]
+    assert "peers left out on torch: llama.cpp (the target is not a GGUF file)" in capsys.readouterr().out
+    on_llama = SimpleNamespace(backend="llama.cpp", target_name=DEFAULT_TARGET)  # the embedded GGUF target
+    assert "transformers" in peers.unfit(on_llama, "hf-assisted")
+    assert peers.unfit(on_llama, "llama.cpp") == ("" if llama.available() else "llama-cpp-python is not installed")
+    assert peers.unfit(SimpleNamespace(backend="torch", target_name="/m/t.gguf"), "hf-assisted") == ""

@@ -228,3 +228,24 @@ def test_a_drift_of_decoding_alone_is_told_apart_from_one_of_the_whole_cpu() -> 
         drift = _summary(recs)[0]["plain"]["warnings"]
         assert len(drift) == 1 and "40%" in drift[0]
         assert ("memory bandwidth" in drift[0] and "prefill moved only 0%" in drift[0]) == hinted
+
+
+def test_the_table_divides_by_llama_cpps_plain_where_that_peer_ran() -> None:
+    """`÷ llama.cpp plain` beside `÷ our plain`: same-round ratios to the llama.cpp peer's tokens/s; no column without
+    that peer."""
+    from speculor.bench.summary import format_table
+
+    recs = [r for rnd in range(2) for r in (_rec("plain", "p", rnd, 10.0, [0] * 10),
+                                            _rec("chain:k=3", "p", rnd, 4.0, [1] * 5),
+                                            _rec("llama.cpp", "p", rnd, 8.0 if rnd else 5.0, None, tokens=10))]
+    summary = summarize(recs, ["plain", "chain:k=3", "llama.cpp"], [0.0])
+    assert summary["plain"]["vs_llama_cpp"] == pytest.approx((0.5 + 0.8) / 2)  # median of the two rounds
+    assert summary["chain:k=3"]["vs_llama_cpp_min"] == pytest.approx(1.25)  # 2.5 tokens/s ÷ round 0's 2.0
+    assert summary["llama.cpp"]["vs_llama_cpp"] == pytest.approx(1.0)
+    head, rule, *rows = format_table(summary).splitlines()
+    assert "| ÷ our plain (min–max) | ÷ llama.cpp plain |" in head and rule.count("---") == 13
+    assert all(row.count("|") == head.count("|") for row in rows)
+    assert "| 2.50x (2.50–2.50) | 1.62x |" in rows[1]  # chain: 2.5x our plain; 10/4 ÷ 10/5 and 10/8: median 1.62
+    without = [r for r in recs if r["strategy"] != "llama.cpp"]
+    head = format_table(summarize(without, ["plain", "chain:k=3"], [0.0])).splitlines()[0]
+    assert "÷ llama.cpp" not in head and head.count("|") == 13

@@ -60,3 +60,31 @@ def test_ngram_cuts_to_what_the_curve_pays_and_learns():
     tried = [step(failing, seq, 0) for _ in range(30)]
     assert tried[1] == 0  # rejected: it stops drafting at this match length
     assert sum(t > 0 for t in tried) >= 2  # ... and tries again once its counts have faded
+
+
+def test_auto_says_what_it_chose_and_measures_nothing_where_only_torch_runs(monkeypatch, capsys):
+    """A GPU, a pair that is not GGUF or a torch-only option: torch at once, one stderr line saying why."""
+    from speculor.runtime import choice, loading
+
+    def measured(*a, **k):
+        raise AssertionError("nothing is loaded or measured")
+
+    monkeypatch.setattr(loading, "load_pair", measured)
+    cases = [(("default", "default", "cuda"), {}, "--device cuda"),
+             (("/models/target", "/models/draft", "cpu"), {}, "runs GGUF files"),
+             (("default", "default", "cpu"), {"only_torch": "--draft-vocab restricts a torch draft's head"},
+              "--draft-vocab")]
+    for (target, draft, device), kw, why in cases:
+        assert choice.choose(target, draft, device=device, threads=2, **kw) == "torch"
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("speculor: --backend auto chose torch: ") and why in line, line
+    assert choice.candidates("/models/target.gguf", None, "cuda:0") == ["torch"]
+
+
+def test_auto_refuses_a_device_before_measuring(monkeypatch):
+    from speculor.errors import SpeculorError
+    from speculor.runtime import choice, loading
+
+    monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("measured before the device check"))
+    with pytest.raises(SpeculorError, match="--offload streams"):
+        loading.load_pair(offload=True)  # the default backend, auto, on the CPU

@@ -187,12 +187,13 @@ def test_load_pair_runs_only_the_draft_lean(tmp_path):
     for name, seed in (("target", 11), ("draft", 12)):
         tiny_model(seed).save_pretrained(tmp_path / name)
         word_tokenizer(WORDS[:VOCAB]).save_pretrained(tmp_path / name)
-    pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))  # the default: a lean int8 draft
+    pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), backend="torch")  # default: a lean int8 draft
     assert pair.target.lean is None and isinstance(pair.draft.lean, LeanDecoder)
     assert pair.draft.lean.qkv[0] is not None  # its projections joined
-    assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), lean_draft=False).draft.lean is None
-    assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), packed=False, draft_int8=False
-                     ).draft.lean is None  # eager kernels: the models' own forward
+    assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), lean_draft=False, backend="torch"
+                     ).draft.lean is None
+    assert load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), packed=False, draft_int8=False,
+                     backend="torch").draft.lean is None  # eager kernels: the models' own forward
     prompt = [4, 5, 6, 7]
     spec = [t.id for t in engine.stream(pair.target, ChainDrafter(pair.draft, 2), prompt,
                                         SamplingConfig(max_new_tokens=10))]

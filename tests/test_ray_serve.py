@@ -270,7 +270,7 @@ def test_scale_down_drains_the_removed_replica(ray_url: str, direct_url: str, fo
 
 def test_settings_from_config_args() -> None:
     s = RaySettings.of({"target": "default", "replicas": "3", "max_batch": "4", "queue_size": "16", "threads": "2"})
-    assert s.scaling() == {"num_replicas": 3} and s.actor_options()["num_cpus"] == 2.0
+    assert s.scaling() == {"num_replicas": 3} and s.actor_options()["num_cpus"] == 2.0 and s.backend == "auto"
     auto = RaySettings.of({"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 3})
     assert auto.scaling() == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
                                                      "target_ongoing_requests": 3}}
@@ -298,7 +298,7 @@ def test_the_documented_serve_config_builds() -> None:
     (app,) = config["applications"]
     assert app["import_path"] == "speculor.serving.ray_serve:build"
     s = RaySettings.of(app["args"])
-    assert s.backend == "llama.cpp" and s.scaling()["autoscaling_config"]["max_replicas"] == 4
+    assert s.backend == "auto" and s.scaling()["autoscaling_config"]["max_replicas"] == 4
     assert type(build(app["args"])).__name__ == "Application"
 
 

@@ -257,9 +257,12 @@ def saved(tmp_path_factory, target, drafts):
     return out
 
 
-def test_load_pair_from_folders(saved, target):
-    pair = load_pair(saved["target"], saved["draft"])
-    assert pair.target.vocab_size == VOCAB and pair.draft is not None
+def test_load_pair_from_folders(saved, target, capsys):
+    pair = load_pair(saved["target"], saved["draft"])  # backend auto: folders, not GGUF files, so torch unmeasured
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("speculor:")]  # not loading bars
+    assert said == ["speculor: --backend auto chose torch: the llama.cpp backend runs GGUF files (an embedded model or "
+                    "a .gguf file), and this pair is not one (nothing measured)"]
+    assert pair.backend == "torch" and pair.target.vocab_size == VOCAB and pair.draft is not None
     out = Speculor(pair, k=2).generate([4, 5, 6], SamplingConfig(max_new_tokens=6, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, [4, 5, 6], 6)
 

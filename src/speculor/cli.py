@@ -12,14 +12,18 @@ from speculor.commands import STRATEGIES, TAKEN_BY
 from speculor.errors import SpeculorError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto") -> None:
+    """The pair's options; backend: --backend's default (torch for the commands that need transformers' models)."""
     p.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
     p.add_argument("--draft", default="default", help="draft model: 'default', a folder, a .gguf file, 'none'")
-    p.add_argument("--backend", choices=("auto", "torch", "llama.cpp"), default="torch",
-                   help="what runs the forwards: torch (transformers; the fp32 reference, and the GPU), llama.cpp (the "
-                   "GGUF files on llama.cpp's own quantized kernels), auto (the one this machine's measured cost "
-                   "curves predict fastest, said on stderr). Output is exact against the chosen backend's own plain "
-                   "decoding")
+    why = ("; this command trains or tunes on the draft's transformers model" if backend == "torch" else
+           "; measured once per machine and cached, nothing measured where only torch can run the pair (--device "
+           "cuda, a model that is not GGUF)")
+    p.add_argument("--backend", choices=("auto", "torch", "llama.cpp"), default=backend,
+                   help=f"what runs the forwards (default: {backend}{why}): auto (the one this machine's measured "
+                   "cost curves predict fastest; it says on stderr what it chose), torch (transformers; the fp32 "
+                   "reference, and the GPU), llama.cpp (the GGUF files on llama.cpp's own quantized kernels). Output "
+                   "is exact against the chosen backend's own plain decoding")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of either backend (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -98,9 +102,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for records.jsonl, summary.json, table.md and plots")
     p.add_argument("--batch", default=None, help="comma-separated batch sizes, e.g. 1,4,16: every strategy with that "
                    "many prompts decoded together (entries 'L@B'; plain@1 is always run as the reference)")
-    p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the two "
-                   "transformers peers, 2 prompts, 32 tokens, one round (a smoke run: its ratios are indicative "
-                   "only); flags given explicitly still apply")
+    p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the peers that "
+                   "run beside the loaded pair (llama.cpp's own plain decoding where the target is a GGUF file, the "
+                   "two transformers peers on torch), 2 prompts, 32 tokens, one round (a smoke run: its ratios are "
+                   "indicative only); flags given explicitly still apply")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,7 +227,7 @@ def _add_train_head_parser(sub) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None, help="head file (default: <cache>/specdecpp/head--<draft>.safetensors)")
     t.add_argument("--plot", default=None, help="calibration PNG (default: next to the head)")
-    _add_model_args(t)
+    _add_model_args(t, backend="torch")  # the head reads the draft's hidden states through its transformers model
 
 
 def _add_boost_tune_parser(sub) -> None:
@@ -275,7 +280,7 @@ def _add_tune_threshold_parser(sub) -> None:
     u.add_argument("--k-max", type=int, default=20)
     u.add_argument("--seed", type=int, default=0)
     u.add_argument("--out", default=None, help="thresholds JSON (default: the cache, where `specdecpp` looks)")
-    _add_model_args(u)
+    _add_model_args(u, backend="torch")  # specdecpp checks its head against the draft's transformers config
 
 
 COMMANDS = {name: getattr(commands, "cmd_" + name.replace("-", "_"))

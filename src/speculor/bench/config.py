@@ -14,7 +14,8 @@ ALL = ("plain,chain:k=4,specinfer,sequoia:budget=auto,ngram,dyspec:budget=auto,t
 # the realistic default: >= 8 prompts of the sets' categories, 128 new tokens, 3 rounds
 DEFAULTS = {"strategies": "plain,chain:k=4,dyspec:budget=auto", "limit": 8, "max_new_tokens": 128,
             "temperatures": "0", "rounds": 3}
-# --quick: one MT-Bench and one HumanEval prompt, one round, so that every strategy and the peers fit in ~10 minutes
+# --quick: one MT-Bench and one HumanEval prompt, one round, so that every strategy and the peers fit in ~10 minutes;
+# of the peers only those that run beside the loaded pair are kept (`BenchConfig.fit_peers`, bench/peers.py `unfit`)
 QUICK = {"strategies": ALL + ",llama.cpp,hf-assisted,hf-prompt-lookup", "limit": 2, "max_new_tokens": 32,
          "temperatures": "0", "rounds": 1}
 QUICK_NOTE = ("--quick decodes 2 prompts x 32 tokens in one round: prefill weighs 20-25% there and one noisy moment "
@@ -25,7 +26,8 @@ QUICK_NOTE = ("--quick decodes 2 prompts x 32 tokens in one round: prefill weigh
 @dataclass(frozen=True)
 class BenchConfig:
     """strategies: plain first; temperatures: the single-stream run's (the batch run measures the first one);
-    batch: batch sizes (--batch), None for the single-stream run; out: the folder for records, summary, table."""
+    batch: batch sizes (--batch), None for the single-stream run; out: the folder for records, summary, table;
+    fit_peers: drop the peers that cannot run beside the loaded pair (--quick's own list: the strategies not given)."""
 
     strategies: tuple[Spec, ...]
     sets: tuple[str, ...] = ("mtbench", "humaneval")
@@ -39,6 +41,7 @@ class BenchConfig:
     format: str = "speculor"
     batch: tuple[int, ...] | None = None
     quick: bool = False
+    fit_peers: bool = False
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -61,7 +64,9 @@ class BenchConfig:
                 if k in opts}  # the others keep the defaults above
         if "sets" in opts:
             kept["sets"] = tuple(opts["sets"].split(","))
-        return BenchConfig(tuple(parse_strategies(opts["strategies"])), temperatures=temps, batch=batch, **kept)
+        fit = bool(given.get("quick")) and "strategies" not in given
+        return BenchConfig(tuple(parse_strategies(opts["strategies"])), temperatures=temps, batch=batch,
+                           fit_peers=fit, **kept)
 
     def meta(self) -> dict[str, Any]:
         """The run's options as summary.json records them."""

@@ -103,6 +103,20 @@ def _generate(pair: Pair, name: str, ids: torch.Tensor, kwargs: dict) -> tuple[t
         return out, time.perf_counter() - t0
 
 
+def unfit(pair: Pair, name: str) -> str:
+    """Why peer `name` cannot run beside this pair ('' where it can): llama.cpp's needs the target's GGUF file and
+    llama-cpp-python, transformers' peers a pair on torch."""
+    from speculor.runtime import embedded, llama
+
+    if name == "llama.cpp":
+        if not llama.available():
+            return "llama-cpp-python is not installed"
+        if pair.target_name not in embedded.EMBEDDED and not pair.target_name.endswith(".gguf"):
+            return "the target is not a GGUF file"
+        return ""
+    return "" if pair.backend == "torch" else f"it runs the models in transformers, the pair is on {pair.backend}"
+
+
 def peer_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
                   eos_ids: frozenset[int]) -> tuple[list[int], float]:
     """(new token ids, wall seconds) of peer `name`."""

@@ -16,6 +16,7 @@ import json
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from speculor.bench import prompts as prompt_sets
 from speculor.bench.batch import format_batched, run_batched, sampling, summarize_batched
 from speculor.bench.checks import check, start_warnings
 from speculor.bench.config import QUICK_NOTE, BenchConfig
-from speculor.bench.peers import PEERS, peer_generate
+from speculor.bench.peers import PEERS, peer_generate, unfit
 from speculor.bench.specs import Spec
 from speculor.bench.summary import cell, format_table, sum_stats, summarize
 from speculor.config import SamplingConfig
@@ -80,6 +81,11 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
     load = machine.load_at_start()  # before loading: the load average is then other processes' alone
     prompts = prompt_sets.load(list(cfg.sets), cfg.limit)
     sp = Speculor(load_pair(), strategy="plain")
+    # --quick's own list: only the peers that run beside this pair (whose backend auto may have just chosen)
+    dropped = {s.label: why for s in specs if cfg.fit_peers and s.name in PEERS and (why := unfit(sp.pair, s.name))}
+    if dropped:
+        specs = [s for s in specs if s.label not in dropped]
+        cfg = replace(cfg, strategies=tuple(specs))
     for s in specs:  # fail early on unknown strategies or options
         if s.name not in PEERS:
             sp.tokens([1], SamplingConfig(max_new_tokens=1), strategy=s.name, **s.options)
@@ -96,6 +102,8 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
     warnings = start_warnings(load) + check(summary, records, temps, _cost(sp))
     print(format_table(summary))
     notes = [QUICK_NOTE] if cfg.quick else []
+    if dropped:
+        notes.append(f"peers left out on {sp.pair.backend}: " + "; ".join(f"{k} ({v})" for k, v in dropped.items()))
     if setup_peak is not None:
         notes.append(f"peak memory before the first generation (loading, packing, profiling, warm-up): "
                      f"{setup_peak:.1f} GiB; per generation: the table's peak column")

@@ -13,7 +13,9 @@ from typing import Any
 
 
 def summarize(records: list[dict[str, Any]], labels: list[str], temps: list[float]) -> dict[str, Any]:
-    """Per strategy label: the fields at the first temperature, and `by_temperature` for every one."""
+    """Per strategy label: the fields at the first temperature, and `by_temperature` for every one. Where the
+    `llama.cpp` peer ran, `vs_llama_cpp` (with its spread) divides by its tokens/s of the same round, as `speedup`
+    divides by our plain decoding's."""
     out: dict[str, Any] = {}
     for label in labels:
         by_t = {}
@@ -21,6 +23,9 @@ def summarize(records: list[dict[str, Any]], labels: list[str], temps: list[floa
             rows = [r for r in records if r["strategy"] == label and r["temperature"] == temp]
             base = [r for r in records if r["strategy"] == "plain" and r["temperature"] == temp]
             by_t[str(temp)] = aggregate(rows, base, temp)
+            peer = [r for r in records if r["strategy"] == "llama.cpp" and r["temperature"] == temp]
+            if peer:
+                by_t[str(temp)] |= spread("vs_llama_cpp", round_ratios(rows, peer))
         out[label] = {**by_t[str(temps[0])], "by_temperature": by_t}
     return out
 
@@ -102,10 +107,13 @@ def sum_stats(dicts: list[dict[str, float] | None]) -> dict[str, float] | None:
 
 def format_table(summary: dict[str, Any]) -> str:
     """Markdown: per strategy and temperature τ, tree size, draft forwards per step, speed with its spread over
-    rounds, the cost model's predicted speedup, identity, time split and peak memory."""
-    head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | speedup (min–max) | predicted | decode speedup "
-            "| greedy identical | prefill / draft / verify / other | peak GiB |")
-    lines = [head, "|" + "---|" * 12]
+    rounds ÷ our plain decoding (and ÷ llama.cpp's own plain decoding where that peer ran), the cost model's
+    predicted speedup, identity, time split and peak memory."""
+    llama = any("vs_llama_cpp" in a for s in summary.values() for a in s["by_temperature"].values())
+    head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | ÷ our plain (min–max) | "
+            + ("÷ llama.cpp plain | " if llama else "")
+            + "predicted | decode speedup | greedy identical | prefill / draft / verify / other | peak GiB |")
+    lines = [head, "|" + "---|" * (12 + llama)]
     for label, s in summary.items():
         for temp, a in s["by_temperature"].items():
             ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
@@ -113,7 +121,7 @@ def format_table(summary: dict[str, Any]) -> str:
             parts = ("prefill_s", "draft_s", "verify_s")
             split_s = "-" if not split else " / ".join(
                 [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
-            speed = with_spread(a, "speedup")
+            speed = with_spread(a, "speedup") + (f" | {cell(a, 'vs_llama_cpp', unit='x')}" if llama else "")
             predicted = cell(a, "predicted_speedup", unit="x")
             if a.get("model_check"):
                 predicted += f" {a['model_check']}"

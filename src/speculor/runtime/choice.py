@@ -7,7 +7,9 @@ at T = 0):
 
     tokens/s(k) = (1 + a + ... + a^k) / (t_target(k + 1) + k t_draft(1)),   k = 0: plain decoding
 
-The choice and both predictions are cached per machine, threads and pair, and said on stderr.
+The choice and both predictions are cached per machine, threads and pair, and said on stderr. Where torch is the only
+candidate (a GPU, a model that is not GGUF, llama-cpp-python missing, a torch-only option) nothing is measured: the
+choice and why are said on stderr all the same.
 """
 
 from __future__ import annotations
@@ -42,22 +44,43 @@ def acceptance(target: str, draft: str) -> float:
     return cal["counts"][0] / cal["steps"]
 
 
-def candidates(target: str, draft: str | None, device: str) -> list[str]:
+def torch_only(target: str, draft: str | None, device: str) -> str:
+    """Why torch is the only candidate for this pair and device ('' where llama.cpp is one too); nothing is loaded."""
+    if device != "cpu":
+        return f"--device {device}: the llama.cpp backend runs on the CPU here"
+    if not all(s in embedded.EMBEDDED or s.endswith(".gguf") for s in (target, draft) if s is not None):
+        return "the llama.cpp backend runs GGUF files (an embedded model or a .gguf file), and this pair is not one"
     from speculor.runtime import llama
 
-    gguf = all(s in embedded.EMBEDDED or s.endswith(".gguf") for s in (target, draft) if s is not None)
-    return ["torch"] + (["llama.cpp"] if gguf and device == "cpu" and llama.available() else [])
+    if not llama.available():
+        return "the llama.cpp backend needs llama-cpp-python, which is not installed"
+    return ""
 
 
-def choose(target: str, draft: str | None, *, device: str, threads: int) -> str:
-    """The backend predicted fastest (module docstring); measured once per machine, threads and pair."""
+def candidates(target: str, draft: str | None, device: str) -> list[str]:
+    return ["torch"] if torch_only(target, draft, device) else ["torch", "llama.cpp"]
+
+
+def say(chosen: str, why: str) -> str:
+    """One stderr line: what auto chose and why; returns the choice."""
+    print(f"speculor: --backend auto chose {chosen}: {why}", file=sys.stderr)
+    return chosen
+
+
+def choose(target: str, draft: str | None, *, device: str, threads: int, only_torch: str = "") -> str:
+    """The backend predicted fastest (module docstring); measured once per machine, threads and pair. only_torch: why
+    an option of the caller's needs torch (e.g. --draft-vocab), if one does."""
     from speculor.runtime.cost import machine_cost
     from speculor.runtime.loading import load_pair
 
     target, draft = embedded.named(target, draft)
+    why = only_torch or torch_only(target, draft, device)
+    if why:
+        return say("torch", why + " (nothing measured)")
+    if draft is None:
+        return say("llama.cpp", "no draft model: plain decoding, on the GGUF file's own quantized kernels (nothing "
+                   "measured)")
     names = candidates(target, draft, device)
-    if len(names) == 1 or draft is None:
-        return names[-1]
     path = cache_dir() / "choice" / f"{slug(target)}--{slug(draft)}--{slug(platform.node())}--x{threads}.json"
     if path.exists():
         record = json.loads(path.read_text())
@@ -77,6 +100,5 @@ def choose(target: str, draft: str | None, *, device: str, threads: int) -> str:
         raise SpeculorError(f"no backend could be measured for {target!r}")
     chosen = max(pred, key=lambda n: pred[n]["tokens_per_s"])
     said = ", ".join(f"{n} {p['tokens_per_s']:.1f} tokens/s (chain k={p['chain']})" for n, p in pred.items())
-    print(f"speculor: --backend auto chose {chosen}: predicted {said} from the measured cost curves "
-          f"(top-1 acceptance {record['acceptance']:.2f}; cached in {path})", file=sys.stderr)
-    return chosen
+    return say(chosen, f"predicted {said} from the measured cost curves (top-1 acceptance "
+               f"{record['acceptance']:.2f}; cached in {path})")

@@ -122,12 +122,13 @@ BACKENDS = ("auto", "torch", "llama.cpp")
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
               dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True,
               draft_vocab: int | None = None, lean_draft: bool = True, offload: bool = False,
-              backend: str = "torch", threads: int | None = None) -> Pair:
+              backend: str = "auto", threads: int | None = None) -> Pair:
     """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
 
-    backend: 'torch' (transformers, the fp32 reference and the GPU path), 'llama.cpp' (GGUF files on llama.cpp's
-    own quantized kernels, runtime/llama.py) or 'auto' (runtime/choice.py: the one this machine's measured cost
-    curves predict fastest). threads: the CPU threads of either (default: torch's).
+    backend: 'auto', the default (runtime/choice.py: the one this machine's measured cost curves predict fastest,
+    said on stderr; torch without measuring where llama.cpp cannot run the pair), 'torch' (transformers, the fp32
+    reference and the GPU path) or 'llama.cpp' (GGUF files on llama.cpp's own quantized kernels, runtime/llama.py).
+    threads: the CPU threads of either (default: torch's).
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
     draft with int8 weights (kernels.py). Either releases the fp32 weights it replaces (each weight is held once;
@@ -148,7 +149,9 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     if backend == "auto":
         from speculor.runtime.choice import choose
 
-        backend = choose(target, draft, device=device, threads=torch.get_num_threads())
+        check_device(device, offload)  # a device that cannot run is refused before anything is measured
+        backend = choose(target, draft, device=device, threads=torch.get_num_threads(),
+                         only_torch="--draft-vocab restricts a torch draft's head" if draft_vocab else "")
     if backend == "llama.cpp":
         if offload or torch.device(device).type != "cpu":
             raise SpeculorError("the llama.cpp backend runs on the CPU here: leave out --device/--offload, or use "

@@ -21,7 +21,7 @@ class RaySettings(BaseModel):
     # the pair, as `speculor serve` loads it (commands.load_pair_from_args)
     target: str = "default"
     draft: str = "default"  # "none" for no draft
-    backend: Literal["auto", "torch", "llama.cpp"] = "torch"
+    backend: Literal["auto", "torch", "llama.cpp"] = "auto"  # auto: each node's measured choice (runtime/choice.py)
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kernels: Literal["fast", "eager"] = "fast"
