@@ -153,12 +153,13 @@ def model_identity(spec: str, config: Any = None) -> dict[str, Any]:
 def check_head_fits(record: dict[str, Any], draft: Model, draft_name: str, *, explicit: bool) -> None:
     """Refuse a head of another hidden size; a head trained for another draft is refused when it is the
     packaged default (the user did not choose it) and only warned about when given explicitly."""
-    hidden = getattr(draft.model.config, "hidden_size", None)
+    config = getattr(getattr(draft, "model", None), "config", None)  # a transformers draft's (none on llama.cpp)
+    hidden = getattr(config if config is not None else draft, "hidden_size", None)
     if hidden is not None and int(record["hidden_size"]) != int(hidden):
         raise SpeculorError(f"the SpecDec++ head takes hidden size {record['hidden_size']}, the draft has {hidden}; "
                             "train a head for this draft with `speculor train-head`")
     want = record.get("draft", {})
-    have = model_identity(draft_name, draft.model.config) if draft_name else {}
+    have = model_identity(draft_name, config) if draft_name else {}
     if want.get("sha256") and have.get("sha256") != want.get("sha256"):
         msg = (f"the SpecDec++ head was trained for the draft {want.get('name')!r}, not {draft_name or 'this one'!r}"
                "; train one with `speculor train-head` and pass head=PATH")
