@@ -385,6 +385,7 @@ def cmd_profile(args: Args) -> None:
 def _profile_one(args: Args, backend: str) -> None:
     from dataclasses import replace
 
+    from speculor.bench.host import host_line
     from speculor.config import SamplingConfig
     from speculor.core.sequoia_dp import level_widths
     from speculor.drafters.sequoia import SequoiaOptions, plan_tree, resolve_acc
@@ -398,13 +399,12 @@ def _profile_one(args: Args, backend: str) -> None:
         profile_cost(pair, repeats=args.repeats).save(path)
     cost = CostModel.load(path)
     t1 = cost.t_target(1)
-    print(f"backend {pair.backend}: cost model {path}")
-    print("  n   target_s  t(n)/t(1)  draft_s  d(n)/d(1)")
+    print(f"backend {pair.backend}: cost model {path}\n  n   target_s  t(n)/t(1)  draft_s  d(n)/d(1)")
     for n in range(1, 17):
         t, d = cost.t_target(n), cost.t_draft(n)
         print(f"{n:4d}  {t:8.3f}  {t / t1:8.2f}  {d:8.3f}  {d / max(cost.t_draft(1), 1e-12):8.2f}")
     ceiling = max(n * t1 / cost.t_target(n) for n in range(1, 17))
-    print(f"ceiling: a free drafter always right gives at most {ceiling:.2f}x plain decoding "
+    print(f"{host_line(pair, t1)}\nceiling: a free drafter always right gives at most {ceiling:.2f}x plain decoding "
           f"({1 / t1:.2f} tokens/s plain)")
     opts = SequoiaOptions("auto", args.depth, args.width)
     for temp in (float(t) for t in args.temperatures.split(",")):

@@ -47,16 +47,25 @@ def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> di
         tokens, wall = peer_generate(sp.pair, spec.name, ids, cfg, sp.eos_ids)
         return {"token_ids": tokens, "wall_s": wall, "steps": None}
     stats = Stats()
+    k0 = kernel_s(sp.pair)
     t0 = time.perf_counter()
     tokens = [t.id for t in sp.tokens(ids, cfg, strategy=spec.name, stats=stats, **spec.options)]
     wall = time.perf_counter() - t0
-    return {"token_ids": tokens, "wall_s": wall, "prefill_s": stats.prefill_s,
+    host = None if k0 is None else wall - (kernel_s(sp.pair) - k0)
+    return {"token_ids": tokens, "wall_s": wall, "prefill_s": stats.prefill_s, "host_s": host,
             "accepted": [s.accepted for s in stats.steps], "drafted": [s.drafted for s in stats.steps],
             "forwards": [s.draft_forwards for s in stats.steps],
             "draft_forwards": sum(s.draft_forwards for s in stats.steps),
             "draft_s": sum(s.draft_s for s in stats.steps), "verify_s": sum(s.verify_s for s in stats.steps),
             "overhead_s": sum(s.overhead_s for s in stats.steps), "steps": len(stats.steps),
             "drafter_stats": sum_stats([s.drafter_stats for s in stats.steps])}
+
+
+def kernel_s(pair: Pair) -> float | None:
+    """Seconds the pair's models have spent in their kernels so far (llama.cpp's llama_decode), None where a
+    backend does not count them (torch): the rest of a generation's wall time is host time."""
+    counts = [getattr(m, "kernel_s", None) for m in (pair.target, pair.draft) if m is not None]
+    return None if counts[0] is None else sum(c for c in counts if c is not None)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

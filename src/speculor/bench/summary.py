@@ -84,6 +84,9 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
         wall = sum(r["wall_s"] for r in rows)
         agg["time_split"] = {k: sum(r[k] for r in rows) / wall for k in ("prefill_s", "draft_s", "verify_s",
                                                                        "overhead_s")}
+        if all(r.get("host_s") is not None for r in rows):  # outside the kernels: per step and its share
+            host = sum(r["host_s"] for r in rows)
+            agg["host_ms_per_step"], agg["host_share"] = 1000 * host / len(steps), host / wall
     return agg
 
 
@@ -112,8 +115,9 @@ def format_table(summary: dict[str, Any]) -> str:
     llama = any("vs_llama_cpp" in a for s in summary.values() for a in s["by_temperature"].values())
     head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | ÷ our plain (min–max) | "
             + ("÷ llama.cpp plain | " if llama else "")
-            + "predicted | decode speedup | greedy identical | prefill / draft / verify / other | peak GiB |")
-    lines = [head, "|" + "---|" * (12 + llama)]
+            + "predicted | decode speedup | greedy identical | prefill / draft / verify / other | host ms/step "
+            + "(share) | peak GiB |")
+    lines = [head, "|" + "---|" * (13 + llama)]
     for label, s in summary.items():
         for temp, a in s["by_temperature"].items():
             ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
@@ -128,8 +132,15 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(f"| {label} | {temp} | {cell(a, 'tau')} | {cell(a, 'mean_tree_size', '.1f')} "
                          f"| {cell(a, 'draft_forwards_per_step', '.1f')} | {a['tokens_per_s']:.2f} | {speed} "
                          f"| {predicted} | {cell(a, 'decode_speedup', unit='x')} | {ident} "
-                         f"| {split_s} | {cell(a, 'peak_memory_gib', '.1f')} |")
+                         f"| {split_s} | {host_cell(a)} | {cell(a, 'peak_memory_gib', '.1f')} |")
     return "\n".join(lines)
+
+
+def host_cell(agg: dict[str, Any]) -> str:
+    """Host milliseconds per step and their share of the wall time ('-' where the kernels' time is not counted)."""
+    if agg.get("host_ms_per_step") is None:
+        return "-"
+    return f"{agg['host_ms_per_step']:.2f} ({agg['host_share']:.1%})"
 
 
 def spread(name: str, xs: list[float], empty: float | None = None) -> dict[str, float | None]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,6 +111,7 @@ class LlamaModel:
         self.context_length = n_ctx
         self.hidden_size = L.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
+        self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
         self.device, self.dtype = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         self.free_ids = list(range(GRAVE - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
@@ -189,8 +191,8 @@ class LlamaModel:
         for call in calls:
             if call:
                 self._decode(call, out, hidden)
-        logits = [fit_vocab(torch.from_numpy(np.stack(x)), self.vocab_size) for x in out]
-        return [(lg, torch.from_numpy(np.stack(h))) if b.hidden else lg
+        logits = [fit_vocab(torch.from_numpy(rows_of(x)), self.vocab_size) for x in out]
+        return [(lg, torch.from_numpy(rows_of(h))) if b.hidden else lg
                 for b, lg, h in zip(blocks, logits, hidden, strict=True)]
 
     def _embeddings(self, on: bool) -> None:
@@ -242,9 +244,11 @@ class LlamaModel:
                     b.seq_id[k][m] = s
                 k += 1
         b.n_tokens = k
+        t0 = time.perf_counter()
         rc = L.llama_decode(self.ctx, b)
         if rc == 1 and self.bury_none():  # full: the graveyard's cells freed (the order is then not guaranteed)
             rc = L.llama_decode(self.ctx, b)
+        self.kernel_s += time.perf_counter() - t0
         if rc != 0:
             raise SpeculorError(f"llama_decode failed (code {rc}: "
                                 f"{'no room in the KV memory' if rc == 1 else 'error'}; context {self.context_length})")
@@ -313,6 +317,11 @@ class LlamaCache:
         del self.parents[keep:], self.depth[keep:], self.own[keep:]
         self.length = min(self.length, n)
         self.pending = torch.tensor(self.parents, dtype=torch.long)
+
+
+def rows_of(rows: list[np.ndarray]) -> np.ndarray:
+    """The rows as one [n, V] array: a view of a lone row (a decoding step's), a stack of several."""
+    return rows[0][None] if len(rows) == 1 else np.stack(rows)
 
 
 def quiet_llama(path: str | Path, *, threads: int, n_ctx: int, seed: int = 0):
