@@ -179,6 +179,7 @@ class SequoiaPlans:
         self.draft, self.names, self.opts, self.cost = draft, (target_name, draft_name), opts, cost
         self.plans: dict[tuple[float, float], Plan] = {}
         self._choices: dict[tuple[float, float], list[Choice]] = {}
+        self._alone: dict[tuple[float, float], Choice | None] = {}
 
     def plan(self, cfg: SamplingConfig) -> Plan:
         key = (cfg.temperature, cfg.top_p)
@@ -213,6 +214,13 @@ class SequoiaPlans:
                 best, best_rate = c, rate
         return best
 
+    def alone(self, cfg: SamplingConfig) -> Choice | None:
+        """`for_batch` with no other request, by MARGIN: fixed per sampling setting, so decided once (a memo)."""
+        key = (cfg.temperature, cfg.top_p)
+        if key not in self._alone:
+            self._alone[key] = self.for_batch(cfg, BatchLedger(), MARGIN)
+        return self._alone[key]
+
     def drafter(self) -> SequoiaDrafter:
         return SequoiaDrafter(self)
 
@@ -241,7 +249,7 @@ class SequoiaDrafter(BatchAware):
         if self.batch_aware:  # decided from the batch (alone: by MARGIN) and the plans: exact; a request that
             # decodes plainly never feeds its draft model
             alone = self.ledger is None
-            choice = self.plans.for_batch(cfg, BatchLedger() if alone else self.ledger, MARGIN if alone else 1.0)
+            choice = self.plans.alone(cfg) if alone else self.plans.for_batch(cfg, self.ledger)
             self.skipped = choice is None
             if self.skipped:
                 self.forwards, self.expected_tokens = 0, 1.0

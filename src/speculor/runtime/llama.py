@@ -172,7 +172,6 @@ class LlamaModel:
         """Per block: logits [n, V] (fp32, host), or [1, V] with `last`. Short blocks packed into calls of at most
         EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always."""
         self.release()
-        self._embeddings(any(b.hidden for b in blocks))
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
         for i, b in enumerate(blocks):
             rows = self._rows(b)
@@ -189,7 +188,8 @@ class LlamaModel:
         out: list[list[np.ndarray]] = [[] for _ in blocks]
         hidden: list[list[np.ndarray]] = [[] for _ in blocks]
         for call in calls:
-            if call:
+            if call:  # llama.cpp outputs every row of a call with embeddings on: only where a row's are wanted
+                self._embeddings(any(blocks[i].hidden and any(want) for i, _, want in call))
                 self._decode(call, out, hidden)
         logits = [fit_vocab(torch.from_numpy(rows_of(x)), self.vocab_size) for x in out]
         return [(lg, torch.from_numpy(rows_of(h))) if b.hidden else lg
@@ -198,7 +198,8 @@ class LlamaModel:
     def _embeddings(self, on: bool) -> None:
         """llama.cpp's embeddings output on or off: with pooling none, the last hidden state after the final norm
         of every row whose logits are wanted (the target's features; the logits are the same bits either way,
-        tests/test_llama.py)."""
+        tests/test_llama.py). While on, llama.cpp computes the logits of every row of a call (a prompt's 512 rows
+        through the output matrix), so it is on only for the calls that hold a wanted row of a block that asks."""
         if on != self.embeddings:
             self.L.llama_set_embeddings(self.ctx, on)
             self.embeddings = on
