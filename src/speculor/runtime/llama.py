@@ -44,7 +44,7 @@ EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of 
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
-# nor tiles a call (module docstring); Q8_0 values were as exact, and prefilled at 0.74x llama.cpp (docs/bench/kv.md)
+# nor tiles a call (module docstring); Q8_0 values were as exact, and slower (docs/bench/cpu-never-slower)
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
 
