@@ -243,9 +243,22 @@ def test_the_table_divides_by_llama_cpps_plain_where_that_peer_ran() -> None:
     assert summary["chain:k=3"]["vs_llama_cpp_min"] == pytest.approx(1.25)  # 2.5 tokens/s ÷ round 0's 2.0
     assert summary["llama.cpp"]["vs_llama_cpp"] == pytest.approx(1.0)
     head, rule, *rows = format_table(summary).splitlines()
-    assert "| ÷ our plain (min–max) | ÷ llama.cpp plain |" in head and rule.count("---") == 13
+    assert "| ÷ our plain (min–max) | ÷ llama.cpp plain |" in head and rule.count("---") == 14
     assert all(row.count("|") == head.count("|") for row in rows)
     assert "| 2.50x (2.50–2.50) | 1.62x |" in rows[1]  # chain: 2.5x our plain; 10/4 ÷ 10/5 and 10/8: median 1.62
     without = [r for r in recs if r["strategy"] != "llama.cpp"]
     head = format_table(summarize(without, ["plain", "chain:k=3"], [0.0])).splitlines()[0]
-    assert "÷ llama.cpp" not in head and head.count("|") == 13
+    assert "÷ llama.cpp" not in head and head.count("|") == 14
+
+
+def test_host_time_per_step_is_tabulated_where_the_kernels_time_is_counted() -> None:
+    """host ms/step = Σ host_s / Σ steps over a strategy's records, and its share of the wall time; '-' where a record
+    has no host time (torch: its kernels' seconds are not counted)."""
+    from speculor.bench.summary import format_table
+
+    recs = [_rec("plain", "p", rnd, 10.0, [0] * 10, host_s=0.05 * (rnd + 1)) for rnd in range(2)]
+    a = summarize(recs, ["plain"], [0.0])["plain"]["by_temperature"]["0.0"]
+    assert a["host_ms_per_step"] == pytest.approx(1000 * 0.15 / 20) and a["host_share"] == pytest.approx(0.15 / 20)
+    assert "| 7.50 (0.8%) |" in format_table(summarize(recs, ["plain"], [0.0]))
+    recs[0]["host_s"] = None
+    assert "host_ms_per_step" not in summarize(recs, ["plain"], [0.0])["plain"]["by_temperature"]["0.0"]

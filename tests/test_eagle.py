@@ -150,6 +150,24 @@ def test_the_drafter_reads_the_targets_own_features(target):
     assert max(drafter.store.f) == len(seq) - 2  # the last emitted token is the next root: not yet seen
 
 
+def test_the_prefill_gives_the_feature_of_its_last_position(target):
+    """The prompt's prefill (every token but the root) hands over its rows' features at their positions, also where
+    a backend gives only the last row's (llama.cpp: `last` computes only the wanted rows; at position 0 it made the
+    head walk the whole prompt to the root)."""
+    from speculor.engine.loop import start
+
+    prompt = [3, 1, 4, 1, 5]
+    for last_only in (False, True):
+        model, drafter = Model(target), eagle(1)
+        if last_only:
+            model.forward = lambda blocks, full=model.forward, **kw: [
+                (o[0], o[1][-1:]) if isinstance(o, tuple) else o for o in full(blocks, **kw)]
+        start(model, drafter, prompt, SamplingConfig(max_new_tokens=4))
+        assert max(drafter.store.f) == len(prompt) - 2
+        for pos, f in drafter.store.f.items():
+            assert torch.equal(f, one_hot(torch.tensor(prompt[pos]))), (last_only, pos)
+
+
 @pytest.mark.parametrize("make", [lambda: eagle(0), lambda: eagle(2, depth=5), lambda: boosted()])
 @pytest.mark.parametrize("prompt", [[1, 2], [5], [0, 3, 3, 1, 2]])
 def test_greedy_is_plain_greedy(target, make, prompt):

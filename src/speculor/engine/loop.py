@@ -100,7 +100,8 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
         drafter.reset()
     if prefill and req.unfilled:  # its logits are not needed: the first step scores the root
         out = forward1(target, req.cache, prompt[:-1], last=True, hidden=reads_features(req))
-        keep_features(req, 0, out)
+        # the features of the prefill's rows, or of its last rows alone (llama.cpp computes only the wanted ones)
+        keep_features(req, req.unfilled - len(out[1]) if isinstance(out, tuple) else 0, out)
         req.cache.keep(list(range(req.unfilled)))
         req.unfilled = 0
     stats.prefill_s = time.perf_counter() - t0
