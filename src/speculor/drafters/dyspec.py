@@ -40,7 +40,7 @@ import torch
 from speculor.config import SamplingConfig, check_int, is_int, is_num
 from speculor.core import goodput
 from speculor.core.goodput import MARGIN
-from speculor.core.tree import EMPTY
+from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchAware, BatchLedger, Proposal, Shared, behind, catch_up, feed, keep_fed_path
 from speculor.drafters.values import Growth, Slot, expected_gain, steer, value_distribution, worth
@@ -148,12 +148,7 @@ class DySpecDrafter(BatchAware):
         self.skipped = self.auto and (not self.can_pay if self.ledger is None
                                       else not (yield from self._speculation_pays(seq, cfg)))
         if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
-            self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
-            self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
-            self.estimate = (1, 1.0)  # no tree is its last tree: the batch counts it as its root from now on
-            if self.ledger is not None:
-                self.ledger.publish(*self.estimate)
-            return EMPTY
+            return self.decline()
         g = Growth(draft_s=self._t_draft(1))
         self._publish(g)
         logits = yield from catch_up(self.model, self.cache, seq)
@@ -172,6 +167,16 @@ class DySpecDrafter(BatchAware):
         if self.opts.adaptive:
             self.t = steer(self.t, len(g), self.opts.cap)
         return g.tree(cfg.greedy)
+
+    def decline(self) -> DraftTree:
+        """This step drafts nothing (`skipped`): the empty tree, and the batch counts the request as its root."""
+        self.skipped = True
+        self.forwards, self.rows, self.values, self.draw_values, self.expected_tokens = 0, {}, [], [], 1.0
+        self.stats = {"nodes": 0, "value_sum": 0.0, "fed_rows": 0, "threshold": self.t}
+        self.estimate = (1, 1.0)  # no tree is its last tree: the batch counts it as its root from now on
+        if self.ledger is not None:
+            self.ledger.publish(*self.estimate)
+        return EMPTY
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.skipped:

@@ -108,20 +108,27 @@ class EagleDrafter(DySpecDrafter):
         super().__init__(head.bind(self.store), opts, cost)
         if head.first_rate is not None:  # the prior of the first-token rate: the head's measured one
             self.first_rate = head.first_rate
-        self.gave_up = False  # alone, auto, and it cannot pay: it never drafts again, so it reads no features
+        self.reads_features = not self.declines  # whether the target's forwards hand it their features
+
+    @property
+    def declines(self) -> bool:
+        """auto, and alone no draft can pay at the first-token rate: it never drafts alone (the rate is frozen once
+        it declines), so it needs no features, not even the prompt's."""
+        return self.auto and not self.can_pay
 
     def reset(self) -> None:
         self.store.clear()
-        self.gave_up = False
         super().reset()
-
-    @property
-    def reads_features(self) -> bool:
-        return not self.gave_up
+        self.reads_features = not self.declines
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        if self.ledger is not None:  # in a batch a draft may pay: the features from now on, and no draft before
+            self.reads_features = True  # the root's parent has one (a head without it walks the whole prompt)
+            if len(seq) > 1 and self.store.get(len(seq) - 2) is None:
+                return self.decline()
         tree = yield from super().propose(seq, cfg, generator)
-        self.gave_up = self.skipped and self.ledger is None  # alone, `can_pay` only falls (a is frozen then)
+        if self.skipped and self.ledger is None:  # alone, `can_pay` only falls (a is frozen then)
+            self.reads_features = False
         return tree
 
     @property
