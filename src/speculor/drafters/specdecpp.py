@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from speculor.config import SamplingConfig, check_int, is_int
 from speculor.core import goodput
-from speculor.core.goodput import MARGIN, Costs
+from speculor.core.goodput import MARGIN
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import Drafter, Forward, Proposal, Shared, catch_up, draw, keep_chain
@@ -223,10 +223,8 @@ class SpecDecPPDrafter(Drafter):
     """
 
     def __init__(self, model: Backend, head: Head, thresholds: dict[float, float] | float = DEFAULT_THRESHOLD,
-                 k_min: int = BOUND[0], k_max: int = BOUND[1], cost: Costs | None = None) -> None:
-        # with the machine's cost curve: no chain of k_max tokens could pay, so the request decodes plainly
-        # (decided from the curve alone: exact) and the draft is never fed
-        self.declines = cost is not None and not goodput.chain_can_pay(cost, k_max, MARGIN)
+                 k_min: int = BOUND[0], k_max: int = BOUND[1], declines: bool = False) -> None:
+        self.declines = declines  # the request decodes plainly and the draft is never fed (`make_specdecpp`)
         table = (thresholds if isinstance(thresholds, dict) else {0.0: thresholds}) or {0.0: DEFAULT_THRESHOLD}
         self.rules = {float(t): StopRule(h, k_min, k_max) for t, h in table.items()}
         self.model, self.head, self.forwards, self.k = model, head, 0, 0
@@ -366,5 +364,6 @@ def make_specdecpp(pair: Pair, threshold: float | None = None, k_min: int = BOUN
     module, record, sha = cached_head(path, pair.draft.device)
     check_head_fits(record, pair.draft, pair.draft_name, explicit=opts.head is not None)
     table = {0.0: opts.threshold} if opts.threshold is not None else resolve_thresholds(path, sha)
-    cost = machine_cost(pair) if opts.budget == "auto" else None
-    return Shared(partial(SpecDecPPDrafter, pair.draft, module, table, opts.k_min, opts.k_max, cost))
+    # auto: no chain of k_max tokens could pay on this machine's cost curve (decided from the curve alone: exact)
+    declines = opts.budget == "auto" and not goodput.chain_can_pay(machine_cost(pair), opts.k_max, MARGIN)
+    return Shared(partial(SpecDecPPDrafter, pair.draft, module, table, opts.k_min, opts.k_max, declines))
