@@ -254,3 +254,46 @@ def test_boost_tuning_runs_on_llama_cpp_features(llama_pair, tmp_path):
     assert heads[0].cfg.hidden_size == llama_pair.target.hidden_size
     again = bt.evaluate_pool(source, data, heads, answer_tokens=12, draft=llama_pair.draft)  # --evaluate
     assert again["chat"]["draft"] == row["draft"] and again["chat"]["positions"] == row["positions"]
+
+
+def decoded(model, prompt, n, beside=None):
+    """The logits of n greedy one-token steps after prompt on a fresh context of `model`'s file (n_ctx 1024); with
+    `beside`, a request of 200 tokens stays live all along and one of 500 tokens is prefilled and forgotten
+    first, so that the memory fills while this request decodes."""
+    ctx = llama.LlamaModel(model.path, threads=2, n_ctx=1024)
+    others = []
+    if beside:
+        others.append(prefilled(ctx, beside[:200]))
+        gone = prefilled(ctx, beside[:500])
+        del gone
+    cache = prefilled(ctx, prompt[:-1])
+    out, tok = [], prompt[-1]
+    for _ in range(n):
+        logits = forward1(ctx, cache, [tok])[0]
+        cache.keep([0])
+        out.append(logits)
+        tok = int(logits.argmax())
+    return out
+
+
+def steps_equal_alone(model) -> list[bool]:
+    """Per step of a 300-token request decoding 60 tokens beside 200 live and 500 forgotten cells that fill a
+    1024-cell memory while it decodes: whether its logits equal the step decoded alone."""
+    prompt = (PROMPT * 40)[:300]
+    alone_steps = decoded(model, prompt, 60)
+    loaded = decoded(model, prompt, 60, beside=list(range(1000, 1600)))
+    return [torch.equal(a, b) for a, b in zip(alone_steps, loaded, strict=True)]
+
+
+def test_a_request_keeps_its_bits_when_the_memory_fills(draft):
+    """Regression (#37): freeing the forgotten cells put the request's next rows below its older ones (attention
+    sums in cell order), and its logits changed; the memory is compacted instead, in position order, bits copied."""
+    assert all(steps_equal_alone(draft))
+
+
+def test_freeing_the_graveyard_in_place_changes_the_bits(draft, monkeypatch):
+    """Negative control: without compaction (the graveyard freed where it lies once the memory is full) the same
+    request gets other logits once the memory has filled."""
+    monkeypatch.setattr(llama.LlamaModel, "make_room", lambda self, blocks: None)
+    same = steps_equal_alone(draft)
+    assert all(same[:20]) and not all(same)

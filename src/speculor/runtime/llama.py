@@ -21,8 +21,13 @@ Same bits as plain decoding, in two parts:
   gets calls of its own, the same whatever shares the batch.
 - the order: attention sums over a request's cells in cell order. Freed cells would be refilled by later rows
   (llama.cpp places a row in the lowest free cell), putting a new token before an older one; so the cells a
-  request forgets (rejected rows, finished requests) keep the graveyard id GRAVE, and are freed only when no cache
-  is left (or, should the memory fill up, at once: the order is then no longer guaranteed).
+  request forgets (rejected rows, finished requests) keep the graveyard id GRAVE, no cell is ever freed below a
+  live one, and llama.cpp places every row above every occupied cell. When the rows of a forward would not fit
+  above them, the memory is compacted at the step's boundary: each request's cells are read out (llama.cpp's
+  sequence state: their bits, copied), the memory cleared, and written back from cell 0 up in the order they
+  held, the graveyard dropped. Only a draft model's tree grown by depth can meet a full memory inside a step:
+  the graveyard is then freed at once, and that draft's order (its proposals, never the target's rows) is no
+  longer guaranteed.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's 
 # nor tiles a call (module docstring); Q8_0 values were as exact, and slower (docs/bench/cpu-never-slower)
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
+RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
 
 def _silence(level, text, user_data):  # llama.cpp's log: printed by default, every load and every context
     return None
@@ -109,6 +115,9 @@ class LlamaModel:
         self.eos_ids = frozenset(t for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0)
         self.vocab_size = vocab_size or self.n_vocab
         self.context_length = n_ctx
+        self.size = L.llama_n_ctx(self.ctx)  # cells of the memory
+        self.used = 0  # cells occupied, from cell 0 up without a hole: live requests' and the graveyard's
+        self.caches: weakref.WeakSet[LlamaCache] = weakref.WeakSet()  # the live ones
         self.hidden_size = L.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
@@ -166,12 +175,39 @@ class LlamaModel:
         """Free the graveyard's cells; whether it held any."""
         had = self.L.llama_memory_seq_pos_max(self.mem, GRAVE) >= 0
         self.L.llama_memory_seq_rm(self.mem, GRAVE, -1, -1)
+        self.used = self.live_cells()
         return had
+
+    def live_cells(self) -> int:
+        return sum(c.length + len(c.parents) for c in self.caches)
+
+    def make_room(self, blocks: Sequence[Block]) -> None:
+        """Compact the memory (module docstring) if the blocks' rows would not fit above its occupied cells with
+        RESERVE to spare, the graveyard holds cells and no request has rows pending (a step's boundary)."""
+        need = sum(len(b.tokens) for b in blocks)
+        if self.used + need + RESERVE <= self.size or self.used == self.live_cells():
+            return
+        for b in blocks:
+            if not b.append:
+                b.cache.trim(b.cache.length)
+        if any(c.parents for c in self.caches):
+            return
+        L, states = self.L, []
+        for c in self.caches:
+            n = L.llama_state_seq_get_size(self.ctx, c.base)
+            buf = (ctypes.c_uint8 * n)()
+            states.append((c, buf, L.llama_state_seq_get_data(self.ctx, buf, n, c.base)))
+        L.llama_memory_clear(self.mem, False)
+        for c, buf, n in states:
+            if L.llama_state_seq_set_data(self.ctx, buf, n, c.base) != n:
+                raise SpeculorError("llama.cpp could not write a request's cells back while compacting its memory")
+        self.used = self.live_cells()
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list:
         """Per block: logits [n, V] (fp32, host), or [1, V] with `last`. Short blocks packed into calls of at most
         EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always."""
         self.release()
+        self.make_room(blocks)
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
         for i, b in enumerate(blocks):
             rows = self._rows(b)
@@ -250,6 +286,7 @@ class LlamaModel:
         if rc == 1 and self.bury_none():  # full: the graveyard's cells freed (the order is then not guaranteed)
             rc = L.llama_decode(self.ctx, b)
         self.kernel_s += time.perf_counter() - t0
+        self.used += k if rc == 0 else 0
         if rc != 0:
             raise SpeculorError(f"llama_decode failed (code {rc}: "
                                 f"{'no room in the KV memory' if rc == 1 else 'error'}; context {self.context_length})")
@@ -279,6 +316,7 @@ class LlamaCache:
         self.extra: list[int] = []  # ids of this request's other paths
         self.pending = torch.zeros(0, dtype=torch.long)
         model.live += 1
+        model.caches.add(self)
         weakref.finalize(self, model.dead.append, (self.base, self.extra))  # `extra` as it is then
 
     def new_id(self) -> int:
