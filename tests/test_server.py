@@ -495,3 +495,26 @@ def test_concurrent_requests_share_one_batch(pair: Pair) -> None:
     alone = steps[("speculor_batch_size_bucket", (("le", "1.0"),))]
     assert count > alone > 0  # some steps ran several requests together
     assert steps[("speculor_rows_per_step_count", ())] == count
+
+
+def test_jobs_wait_for_room_in_a_shared_memory(pair: Pair, monkeypatch) -> None:
+    """On a target whose requests share one memory of `cells` (llama.cpp's), a job joins the batch only when its
+    prompt and longest answer fit beside the running jobs': with room for two, no step runs three, and every answer
+    is the one it gets alone."""
+    sp = Speculor(pair)
+    ids = [sp.encode(t) for t in TEXTS[:4]]
+    monkeypatch.setattr(pair.target, "cells", max(len(i) for i in ids) * 2 + 48, raising=False)
+    with live_server(create_app(pair, strategy="plain", max_batch=4)) as base, \
+            httpx.Client(base_url=base, timeout=60) as http:
+        answers: dict[int, str] = {}
+
+        def post(i: int) -> None:
+            body = {"prompt": TEXTS[i], "max_tokens": 24, "temperature": 0}
+            answers[i] = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+        post_together(pair, http, post, 4, timeout=60)
+        steps = metrics(http)
+    assert answers == {i: sp.generate(ids[i], SamplingConfig(max_new_tokens=24)).text for i in range(4)}
+    count = steps[("speculor_batch_size_count", ())]
+    assert steps[("speculor_batch_size_bucket", (("le", "2.0"),))] == count
+    assert steps[("speculor_batch_size_bucket", (("le", "1.0"),))] < count  # two did run together

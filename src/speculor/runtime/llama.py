@@ -50,6 +50,7 @@ N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: severa
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
 # nor tiles a call (module docstring); Q8_0 values were as exact, and slower (docs/bench/cpu-never-slower)
+N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
 RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
@@ -91,7 +92,7 @@ def available() -> bool:
 class LlamaModel:
     """A GGUF model on llama.cpp, shared by every request: the `Backend` of runtime/backend.py."""
 
-    def __init__(self, path: str | Path, *, threads: int, vocab_size: int | None = None, n_ctx: int = 4096) -> None:
+    def __init__(self, path: str | Path, *, threads: int, vocab_size: int | None = None, n_ctx: int = N_CTX) -> None:
         L = _lib()
         self.L, self.path, self.threads = L, Path(path), threads
         mp = L.llama_model_default_params()
@@ -116,6 +117,7 @@ class LlamaModel:
         self.vocab_size = vocab_size or self.n_vocab
         self.context_length = n_ctx
         self.size = L.llama_n_ctx(self.ctx)  # cells of the memory
+        self.cells = self.size - RESERVE  # what live requests' contexts may hold together (a server admits by it)
         self.used = 0  # cells occupied, from cell 0 up without a hole: live requests' and the graveyard's
         self.caches: weakref.WeakSet[LlamaCache] = weakref.WeakSet()  # the live ones
         self.hidden_size = L.llama_model_n_embd(self.model)

@@ -3,7 +3,8 @@ step (engine/batch.py) and lets jobs join and leave it between steps (iteration-
 
 Contract: `Scheduler.submit` queues a job or raises APIError 429 when `queue_size` jobs already wait. The worker
 (started by the first submit, ended by `stop`) loops: admit the oldest waiting job if fewer than `max_batch` run
-(one job per step; its prompt is then prefilled inside the batched steps, a chunk of engine/batch.py's
+and, on a backend whose requests share one memory (llama.cpp's), its prompt and longest answer fit there beside the
+running jobs' (one job per step; its prompt is then prefilled inside the batched steps, a chunk of engine/batch.py's
 PREFILL_CHUNK tokens a step, so a joining request slows the running ones by a chunk's rows instead of stopping them),
 run one batched step over the running jobs, hand each job its new text (`Delta`), and end the jobs that are done
 (EOS, length, a stop string: `Done`) or whose client left (`cancel`, checked before admission and after every
@@ -115,6 +116,7 @@ class Scheduler:
         self._stopping = False
         self.running: list[_Running] = []
         self.starting: Job | None = None  # the job whose prefill runs now
+        self._held: Job | None = None  # the oldest waiting job, taken from the queue, waiting for memory
         metrics.queue_depth.set_function(self.depth)
         metrics.running.set_function(self.size)
 
@@ -124,7 +126,7 @@ class Scheduler:
 
     def depth(self) -> int:
         """Jobs waiting (the running ones not counted)."""
-        return self._queue.qsize()
+        return self._queue.qsize() + (self._held is not None)
 
     def alive(self) -> bool:
         """False only when the worker thread ended without being stopped (a bug: nothing would serve the queue)."""
@@ -144,6 +146,9 @@ class Scheduler:
         """Cancel the running jobs, fail the waiting ones (503) and end the worker thread."""
         for job in [r.job for r in list(self.running)] + ([self.starting] if self.starting else []):
             job.cancel.set()
+        if self._held is not None:
+            self._held.emit(Failed(APIError(503, "the server is shutting down", type="server_error")))
+            self._held = None
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -176,13 +181,25 @@ class Scheduler:
         """The oldest waiting job if the batch has room (waits for one when nothing runs); None otherwise."""
         if len(self.running) >= self.max_batch or self._stopping:
             return None
-        try:
-            job = self._queue.get() if not self.running else self._queue.get_nowait()
-        except queue.Empty:
-            return None
+        job, self._held = self._held, None
+        if job is None:
+            try:
+                job = self._queue.get() if not self.running else self._queue.get_nowait()
+            except queue.Empty:
+                return None
         if job is None:
             self._stopping = True
+        elif not self._fits(job):
+            self._held = job  # first in line until the running jobs leave it room
+            return None
         return job
+
+    def _fits(self, job: Job) -> bool:
+        """Whether the job's prompt and longest answer fit beside the running jobs' in a target whose requests share
+        one memory of `cells` (llama.cpp's); a job that runs alone always does (its length was checked)."""
+        cells = getattr(self.sp.pair.target, "cells", None)
+        size = lambda j: len(j.prompt) + j.cfg.max_new_tokens  # noqa: E731
+        return cells is None or not self.running or sum(size(r.job) for r in self.running) + size(job) <= cells
 
     def _admit(self, job: Job) -> None:
         """Start a job (its prefill runs now) and add it to the batch; a job whose client left is ended at once."""
