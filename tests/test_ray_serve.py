@@ -5,22 +5,24 @@ mid-stream by its process id; Ray's metrics; a scale-down that drains."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 from support.server import live_server, save_tiny_pair, wait_for
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
+from ray.exceptions import ActorDiedError, RayTaskError  # noqa: E402
 
 from speculor import SpeculorError  # noqa: E402
 from speculor.bench import loadtest  # noqa: E402
@@ -31,7 +33,6 @@ from speculor.serving.ray_serve import REPLICA_HEADER, application, replica_stat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 METRICS_PORT = 18_097
-REPLICA_PROCESS = "ServeReplica:speculor:Replica"  # a replica's process title
 
 
 @pytest.fixture(scope="module")
@@ -194,50 +195,85 @@ def test_client_disconnect_cancels_the_generation_on_its_replica(ray_url: str) -
     wait_for(lambda: cancelled() > before, "the replica to cancel the generation", timeout=60)
 
 
-def replica_pids() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if REPLICA_PROCESS in " ".join(p.info["cmdline"] or [])]
+def replica_pids() -> dict[str, int]:
+    """{replica id (as in the x-speculor-replica header): process id} of the running Replica actors, from Ray's
+    actor table."""
+    from ray._private import state
+
+    prefix = "SERVE_REPLICA::speculor#Replica#"
+    return {a["Name"].removeprefix(prefix): a["Pid"] for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["Name"].startswith(prefix)}
+
+
+REPLICA_DIED = {"error": {"message": "the replica serving this request stopped mid-stream; ask again",
+                          "type": "server_error", "param": None, "code": "replica_died"}}
+
+
+class SSE(threading.Thread):
+    """A completions stream read raw in a thread: its status and replica (`head` is set once they are known), its
+    events' data in order, its text, and `first`: set at its first content chunk (or when it ends)."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, {**body, "stream": True}
+        self.status, self.replica, self.events, self.text = 0, "", [], ""
+        self.head, self.first = threading.Event(), threading.Event()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as resp:
+                self.status, self.replica = resp.status_code, resp.headers.get(REPLICA_HEADER, "")
+                self.head.set()
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    self.events.append(data := line.removeprefix("data: "))
+                    if data != "[DONE]" and (choices := json.loads(data).get("choices")):
+                        self.text += choices[0]["text"]
+                        if choices[0]["text"]:
+                            self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            self.failure = exc
+        finally:
+            self.head.set()
+            self.first.set()
 
 
 def test_a_replica_killed_mid_stream(ray_url: str, direct_url: str) -> None:
-    """Streams on the killed replica end with a clean error, the others finish as the direct server answers; Ray
-    brings the replica back and it serves again."""
-    bodies = [{"prompt": p, "max_tokens": 3000, "temperature": 0} for p in ("def add(a, b):", "Hello, world!",
-                                                                             "The quick", "Speculative")]
-    started = threading.Barrier(len(bodies) + 1)
-    results: list[tuple[str, str, BaseException | None]] = [("", "", None)] * len(bodies)
+    """A replica killed (SIGKILL) while streams run on it and on the other replica: every stream on it ends with the
+    OpenAI-style error event then [DONE] (never [DONE] before it, never a short answer without it), those on the
+    other replica finish as the direct server answers; Ray brings the replica back and it serves again.
 
-    def stream(i: int) -> None:
-        text, replica = "", ""
-        try:
-            with client(ray_url).completions.with_streaming_response.create(model="x", stream=True,
-                                                                            **bodies[i]) as resp:
-                replica = resp.headers[REPLICA_HEADER]
-                for n, chunk in enumerate(resp.parse()):
-                    text += chunk.choices[0].text if chunk.choices else ""
-                    if n == 0:
-                        started.wait(60)
-            results[i] = (text, replica, None)
-        except openai.APIError as exc:
-            results[i] = (text, replica, exc)
-
-    before = replica_pids()
-    assert len(before) == 2
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    started.wait(60)  # every stream has its first chunk
-    victim = before[0]
-    os.kill(victim, signal.SIGKILL)
-    for t in threads:
-        t.join(120)
-    failed = [r for r in results if r[2] is not None]
-    finished = [r for r in results if r[2] is None]
-    assert failed and finished, results
-    assert len({r[1] for r in failed}) == 1 and not {r[1] for r in failed} & {r[1] for r in finished}
-    assert all("replica" in str(r[2]) for r in failed)  # the clean OpenAI-style error event, not a broken connection
-    direct = {b["prompt"]: ask(direct_url, False, False, b)[0][0] for b in bodies}
-    for text, _, _ in finished:
-        assert text in direct.values()
+    Not timing-dependent: the streams are started one at a time until both replicas hold one (a replica takes
+    max_batch + queue_size = 4 at once, so the fifth at the latest goes to the other), and the kill comes once the
+    first stream on each replica has its first content chunk, each stream 3000 tokens long (seconds of generation)."""
+    wait_for(lambda: replica_states() == {"RUNNING": 2} and len(replica_pids()) == 2, "two replicas", timeout=120)
+    pids = replica_pids()
+    streams: list[SSE] = []
+    for prompt in ("def add(a, b):", "Hello, world!", "The quick", "Speculative", "lazy dog"):
+        streams.append(sse := SSE(ray_url, {"prompt": prompt, "max_tokens": 3000, "temperature": 0}))
+        sse.start()
+        assert sse.head.wait(60) and sse.failure is None and sse.status == 200, (sse.status, sse.failure)
+        if len({s.replica for s in streams}) == 2:
+            break
+    victim = streams[0].replica
+    killed = [s for s in streams if s.replica == victim]
+    others = [s for s in streams if s.replica != victim]
+    assert others and set(pids) == {victim, others[0].replica}, (pids, [s.replica for s in streams])
+    for s in (killed[0], others[0]):  # the first on each replica runs at once; later ones may wait in its queue
+        assert s.first.wait(60) and s.failure is None, s.failure
+    assert not any("[DONE]" in s.events for s in killed)  # all mid-stream: 3000 tokens take seconds
+    os.kill(pids[victim], signal.SIGKILL)
+    for s in streams:
+        s.join(120)
+        assert not s.is_alive() and s.failure is None, s.failure
+    for s in killed:  # [content chunks...], the error event, [DONE]
+        assert json.loads(s.events[-2]) == REPLICA_DIED and s.events[-1] == "[DONE]", s.events[-3:]
+        assert all("choices" in json.loads(e) for e in s.events[:-2])  # no other error, no [DONE] before it
+    for s in others:
+        assert s.events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in s.events[:-1])
+        assert s.text == ask(direct_url, False, False, {**s.body, "stream": False})[0][0]
     # Ray restarts the replica; it serves again
     wait_for(lambda: replica_states() == {"RUNNING": 2} and len(replica_pids()) == 2 and victim not in replica_pids(),
              "the replica to come back", timeout=120)
@@ -245,7 +281,7 @@ def test_a_replica_killed_mid_stream(ray_url: str, direct_url: str) -> None:
         again = list(pool.map(lambda r: ask(ray_url, *r), REQUESTS))
     assert [texts for texts, _ in again] == [ask(direct_url, *r)[0] for r in REQUESTS]
     assert len({replica for _, replica in again}) == 2
-    assert not {replica for _, replica in again} & {r[1] for r in failed}  # the new replica among them
+    assert victim not in {replica for _, replica in again}  # the new replica among them
 
 
 def test_refuses_replicas_no_node_can_hold(ray_url: str, folders) -> None:
@@ -321,3 +357,99 @@ def test_coalesced_joins_what_is_ready_and_keeps_order_and_errors() -> None:
     assert asyncio.run(read(False)) == ["a0a1a2", "b"]
     with pytest.raises(ValueError, match="broken"):
         asyncio.run(read(True))
+
+
+CHUNK = 'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+
+
+async def replica_events(end: str | BaseException) -> AsyncIterator[str]:
+    """A replica's stream as the ingress reads it: chunks (some joined, as `coalesced` sends them), then `end`:
+    "done" ([DONE] joined to the last chunks), "stop" (it just ends), "after done" (an error once [DONE] went), or
+    an exception."""
+    yield CHUNK
+    yield CHUNK + CHUNK
+    if end == "done":
+        yield CHUNK + "data: [DONE]\n\n"
+    elif end == "after done":
+        yield "data: [DONE]\n\n"
+        raise ActorDiedError()
+    elif isinstance(end, BaseException):
+        raise end
+
+
+def relayed(end: str | BaseException) -> list[str]:
+    """The events' data the client gets from the ingress."""
+    from speculor.serving.ray_serve import relay
+
+    async def read() -> str:
+        return "".join([text async for text in relay(replica_events(end))])
+
+    return [e.removeprefix("data: ") for e in asyncio.run(read()).split("\n\n") if e]
+
+
+@pytest.mark.parametrize("end", ["stop", ActorDiedError(), RayTaskError("generate", "", RuntimeError("boom")),
+                                 ConnectionResetError("lost"), asyncio.CancelledError()],
+                         ids=["ends", "actor died", "ray error", "connection lost", "ray cancelled"])
+def test_relay_ends_a_replica_stream_without_done_with_the_error_event(end) -> None:
+    """However a replica's events end without [DONE], the client gets the error event and then [DONE], never a
+    short answer that looks whole."""
+    chunk = CHUNK.removeprefix("data: ").strip()
+    assert relayed(end) == [chunk] * 3 + [json.dumps(REPLICA_DIED), "[DONE]"]
+
+
+def test_relay_passes_a_whole_stream_as_it_is() -> None:
+    chunk = CHUNK.removeprefix("data: ").strip()
+    assert relayed("done") == [chunk] * 4 + ["[DONE]"]
+    assert relayed("after done") == [chunk] * 3 + ["[DONE]"]  # whole before the replica died: nothing to add
+
+
+def test_relay_of_a_client_that_left_sends_nothing_more() -> None:
+    """Closed (the client left) or cancelled (the request is), the relay ends at once without an error event, its
+    replica's stream closed."""
+    from speculor.serving.ray_serve import relay
+
+    closed = []
+
+    async def replica(wait: asyncio.Event | None = None) -> AsyncIterator[str]:
+        try:
+            while True:
+                if wait is not None:
+                    await wait.wait()
+                yield CHUNK
+        finally:
+            closed.append(True)
+
+    async def leave() -> None:
+        events = relay(replica())
+        assert await anext(events) == CHUNK
+        await events.aclose()
+
+    async def cancel() -> None:
+        async def first() -> str:
+            return await anext(relay(replica(asyncio.Event())))
+
+        reader = asyncio.create_task(first())
+        await asyncio.sleep(0.01)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+    asyncio.run(leave())
+    asyncio.run(cancel())
+    assert closed == [True, True]
+
+
+def test_the_openai_client_raises_the_relayed_error() -> None:
+    """The relayed error event is what the openai client raises as openai.APIError (not a short answer)."""
+    text = "".join(f"data: {e}\n\n" for e in relayed(ActorDiedError()))
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=text.encode())
+
+    api = openai.OpenAI(base_url="http://ingress/v1", api_key="x", max_retries=0,
+                        http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    got = ""
+    with pytest.raises(openai.APIError, match="the replica serving this request stopped mid-stream"):
+        for chunk in api.completions.create(model="x", prompt="hi", stream=True):
+            got += chunk.choices[0].text
+    assert got == "aaa"

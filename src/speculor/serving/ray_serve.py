@@ -12,9 +12,11 @@ Contract:
   the ingress (`max_queued_requests` of them, default unbounded as in Ray Serve; more get 429 as from `speculor
   serve`).
 * A replica that dies: a request that has not started its response yet is sent to another replica (RETRIES times at
-  most, then 503); a stream that had started ends with an OpenAI-style error event (`code: replica_died`) and
-  `[DONE]`. Ray Serve restarts the replica; `check_health` fails a replica whose engine thread died. A replica that
-  is stopped (scale-down, shutdown) first drains: Ray waits up to `drain_s` for its requests to finish.
+  most, then 503); a stream that had started and whose replica's events end without `[DONE]` (however they end:
+  the actor died, a Ray error, a lost connection, or they just stop) ends with an OpenAI-style error event (`code:
+  replica_died`) and `[DONE]`, never as a short answer that looks whole. Ray Serve restarts the replica;
+  `check_health` fails a replica whose engine thread died. A replica that is stopped (scale-down, shutdown) first
+  drains: Ray waits up to `drain_s` for its requests to finish.
 * Metrics go through Ray's metrics (serving/ray_metrics.py): each replica's batch size, tau, accepted lengths,
   queue, generations; the ingress's request counts and latencies; GET /metrics says where they are.
 * `build(args)` makes the application from a `serve run` / `serve deploy` config's args (`RaySettings`);
@@ -204,17 +206,36 @@ def replica_states(name: str = APP) -> dict[str, int]:
     return {str(k): v for k, v in (deployment.replica_states if deployment else {}).items()}
 
 
-async def relay(answer: Any) -> AsyncIterator[str]:
-    """A replica's server-sent events; a replica that dies mid-stream ends them with an error event."""
+DONE = "data: [DONE]\n\n"  # the last event of every stream a replica answers (formats.sse_stream)
+
+
+async def relay(answer: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A replica's server-sent events, relayed. A replica's stream that ends without its `data: [DONE]` is a dead
+    replica however it ends (normally, or by an exception: the actor died, a Ray or Serve error, a lost
+    connection): the client gets an OpenAI-style error event (`code: replica_died`) and `[DONE]`, never a short
+    answer that looks whole. Only the relay's own closing (the client left) or cancellation ends it without one."""
+    ended = False  # [DONE] relayed
     try:
         async for text in answer:
             yield text
-    except GONE as exc:
-        logger.warning("a replica died mid-stream (%s)", type(exc).__name__)
-        error = APIError(503, "the replica serving this request stopped mid-stream; ask again",
-                         type="server_error", code="replica_died")
-        yield f"data: {json.dumps(error.body())}\n\n"
-        yield "data: [DONE]\n\n"
+            ended = text.endswith(DONE)  # events ready at once come joined (`coalesced`): [DONE] comes last
+        if ended:
+            return
+        why = "its stream ended without [DONE]"
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise  # this request was cancelled (the client left, the ingress stops): nobody reads on
+        why = "its stream was cancelled"  # Ray's TaskCancelledError as the handle raises it: not our cancellation
+    except Exception as exc:  # noqa: BLE001 - a dead replica however it shows; the client gets an error event
+        if ended:
+            return  # the answer was whole: what broke after it changes nothing for the client
+        why = f"{type(exc).__name__}: {exc}"
+    logger.warning("a replica's stream ended mid-answer (%s)", why)
+    error = APIError(503, "the replica serving this request stopped mid-stream; ask again", type="server_error",
+                     code="replica_died")
+    yield f"data: {json.dumps(error.body())}\n\n"
+    yield DONE
 
 
 @serve.deployment
