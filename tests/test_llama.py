@@ -297,3 +297,38 @@ def test_freeing_the_graveyard_in_place_changes_the_bits(draft, monkeypatch):
     monkeypatch.setattr(llama.LlamaModel, "make_room", lambda self, blocks: None)
     same = steps_equal_alone(draft)
     assert all(same[:20]) and not all(same)
+
+
+def filled(ctx, tokens, chunk=32):
+    """A cache holding `tokens`, filled in chunks as the server fills a prompt: the prompt memory's cells first."""
+    cache = ctx.new_cache()
+    lent = ctx.reuse(cache, tokens, chunk)
+    for j in range(lent, len(tokens), chunk):
+        forward1(ctx, cache, tokens[j:j + chunk])
+        cache.keep(list(range(len(tokens[j:j + chunk]))))
+    ctx.remember(cache, tokens, chunk)
+    return cache, lent
+
+
+def steps_after(ctx, cache, root, n=6):
+    out, tok = [], root
+    for _ in range(n):
+        out.append(forward1(ctx, cache, [tok])[0])
+        cache.keep([0])
+        tok = int(out[-1].argmax())
+    return out
+
+
+def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft):
+    """The prompt memory lends a later prompt the cells of the whole chunks it shares with a kept one (or all of
+    them for the same prompt); the request's next steps have the bits of a fresh context's."""
+    first = (PROMPT * 12)[:101]
+    same_start = first[:70] + (PROMPT * 3)[:31]
+    ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+    filled(ctx, first[:-1])
+    for prompt, lends in ((first, 100), (same_start, 64), (list(range(500, 600)), 0)):
+        fresh = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+        cache, lent = filled(ctx, prompt[:-1])
+        assert lent == lends
+        want = steps_after(fresh, filled(fresh, prompt[:-1])[0], prompt[-1])
+        assert all(torch.equal(a, b) for a, b in zip(steps_after(ctx, cache, prompt[-1]), want, strict=True))

@@ -35,7 +35,7 @@ from speculor.engine.loop import (
     settle,
     start,
 )
-from speculor.runtime.backend import Backend, Block
+from speculor.runtime.backend import Backend, Block, PromptMemory
 
 
 @dataclass
@@ -56,7 +56,12 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
     to the same forward instead of a tree and emits nothing this step: a joining request slows the running ones by
     a chunk's rows a step instead of stopping them for its whole prefill. The chunks fall at the same places
-    whatever else is in the batch."""
+    whatever else is in the batch. A backend with a prompt memory (runtime/backend.py `PromptMemory`) lends a new
+    prompt the cells of the chunks it starts with, and keeps each prompt's once filled."""
+    memory = target if isinstance(target, PromptMemory) else None
+    for a in batch:
+        if memory and a.req.unfilled and a.req.cache.length == 0 and not reads_features(a.req):
+            a.req.unfilled -= memory.reuse(a.req.cache, _prompt(a.req), chunk)
     filling = [a for a in batch if a.req.unfilled]
     chunks = {id(a): _chunk(a.req, chunk) for a in filling}
     decoding = [a for a in batch if not a.req.unfilled]
@@ -74,6 +79,8 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
         a.req.cache.keep(list(range(n)))
         a.req.unfilled -= n
         a.req.stats.prefill_s += t2 - t1
+        if memory and not a.req.unfilled:
+            memory.remember(a.req.cache, _prompt(a.req), chunk)
         emitted[id(a)] = []
     for a, tree, logits in zip(decoding, trees, all_logits[len(filling):], strict=True):
         t = time.perf_counter()
@@ -82,6 +89,11 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
         d_s = share if a.req.drafter is not None else 0.0
         a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, t2 - t1, time.perf_counter() - t))
     return [emitted[id(a)] for a in batch]
+
+
+def _prompt(req: Request) -> list[int]:
+    """The prompt tokens a prefill puts in the cache (all but the root; seq is the prompt while it fills)."""
+    return req.seq[:-1]
 
 
 def _chunk(req: Request, size: int) -> list[int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -65,6 +65,16 @@ class Backend(Protocol):
 
     @property
     def cost_key(self) -> str: ...
+
+
+@runtime_checkable
+class PromptMemory(Protocol):
+    """A backend that keeps the cells of the prompts it filled chunk by chunk and lends them to a later prompt that
+    starts with the same chunks (llama.cpp's shared memory): the same calls over the same tokens, so the same bits."""
+
+    def remember(self, cache: KVCache, tokens: list[int], chunk: int) -> None: ...
+
+    def reuse(self, cache: KVCache, tokens: list[int], chunk: int) -> int: ...
 
 
 def forward1(backend: Backend, cache: KVCache, tokens: torch.Tensor | list[int], parents: torch.Tensor | None = None,

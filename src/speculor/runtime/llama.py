@@ -28,6 +28,11 @@ Same bits as plain decoding, in two parts:
   held, the graveyard dropped. Only a draft model's tree grown by depth can meet a full memory inside a step:
   the graveyard is then freed at once, and that draft's order (its proposals, never the target's rows) is no
   longer guaranteed.
+
+Prompt memory: the cells of a prompt filled in chunks stay under an id of their own after its request ends (the
+MAX_PROMPTS latest, oldest forgotten first); a later prompt that starts with the same chunks (or is the same prompt)
+takes them by `seq_cp` instead of computing them: the same calls over the same tokens and cells would give the
+same bits. They sit below the new request's rows, so its order holds; a compaction forgets them.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's 
 N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
+MAX_PROMPTS = 16  # prompts kept in the prompt memory (module docstring)
 RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
 
 def _silence(level, text, user_data):  # llama.cpp's log: printed by default, every load and every context
@@ -120,6 +126,7 @@ class LlamaModel:
         self.cells = self.size - RESERVE  # what live requests' contexts may hold together (a server admits by it)
         self.used = 0  # cells occupied, from cell 0 up without a hole: live requests' and the graveyard's
         self.caches: weakref.WeakSet[LlamaCache] = weakref.WeakSet()  # the live ones
+        self.prompts: dict[tuple[int, ...], int] = {}  # the prompt memory: (chunk, *tokens) -> the id of its cells
         self.hidden_size = L.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
@@ -145,7 +152,7 @@ class LlamaModel:
                 self.forget(s, -1)
             self.free_ids.extend(ids)
             self.live -= 1
-            if self.live == 0:
+            if self.live == 0 and not self.prompts:  # (with prompts kept, holes below them: compaction frees)
                 self.bury_none()
 
     @property
@@ -180,6 +187,41 @@ class LlamaModel:
         self.used = self.live_cells()
         return had
 
+    def remember(self, cache: LlamaCache, tokens: list[int], chunk: int) -> None:
+        """Keep the cells of a prompt just filled in chunks of `chunk` from position 0 (`tokens`, all in the cache)."""
+        key = (chunk, *tokens)
+        if key in self.prompts or not tokens or len(self.free_ids) < MAX_SEQ // 2:  # ids for requests first
+            return
+        if len(self.prompts) >= MAX_PROMPTS:
+            old = self.prompts.pop(next(iter(self.prompts)))
+            self.forget(old, -1)
+            self.free_ids.append(old)
+        s = self.seq_id()
+        self.L.llama_memory_seq_cp(self.mem, cache.base, s, 0, len(tokens))
+        self.prompts[key] = s
+
+    def reuse(self, cache: LlamaCache, tokens: list[int], chunk: int) -> int:
+        """Into an empty cache, the kept cells of the longest start of `tokens` that was filled by the same chunks:
+        whole chunks of a kept prompt, or all of it if it is `tokens`; how many positions it now holds."""
+        best, src = 0, None
+        for key in self.prompts:
+            kept = key[1:]
+            if key[0] != chunk:
+                continue
+            if kept == tuple(tokens):
+                best, src = len(tokens), key
+                break
+            same = next((i for i, (a, b) in enumerate(zip(kept, tokens, strict=False)) if a != b),
+                        min(len(kept), len(tokens)))
+            if same // chunk * chunk > best:
+                best, src = same // chunk * chunk, key
+        if src is not None:
+            assert cache.length == 0 and not cache.parents, "a prompt is lent to an empty cache"
+            self.prompts[src] = s = self.prompts.pop(src)  # the latest used, forgotten last
+            self.L.llama_memory_seq_cp(self.mem, s, cache.base, 0, best)
+            cache.length = best
+        return best
+
     def live_cells(self) -> int:
         return sum(c.length + len(c.parents) for c in self.caches)
 
@@ -194,6 +236,10 @@ class LlamaModel:
                 b.cache.trim(b.cache.length)
         if any(c.parents for c in self.caches):
             return
+        for s in self.prompts.values():
+            self.forget(s, -1)
+            self.free_ids.append(s)
+        self.prompts.clear()
         L, states = self.L, []
         for c in self.caches:
             n = L.llama_state_seq_get_size(self.ctx, c.base)
