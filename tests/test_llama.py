@@ -332,3 +332,30 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft):
         assert lent == lends
         want = steps_after(fresh, filled(fresh, prompt[:-1])[0], prompt[-1])
         assert all(torch.equal(a, b) for a, b in zip(steps_after(ctx, cache, prompt[-1]), want, strict=True))
+
+
+def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
+    """calls='batched' runs a forward's rows in llama.cpp's own call sizes (one call for a 6-row tree, where the exact
+    calls take two); a bad value, or the setting on torch, is refused."""
+    counted = []
+    for calls in ("exact", "batched"):
+        model = llama.LlamaModel(draft.path, threads=2, n_ctx=1024, calls=calls)
+        decode = model._decode
+        n = [0]
+
+        def one(*args, decode=decode, n=n):
+            n[0] += 1
+            return decode(*args)
+
+        monkeypatch.setattr(model, "_decode", one)
+        cache = prefilled(model, PROMPT[:-1])
+        n[0] = 0
+        forward1(model, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))
+        counted.append(n[0])
+    assert counted == [2, 1]
+    with pytest.raises(SpeculorError, match="calls must be one of"):
+        llama.LlamaModel(draft.path, threads=2, calls="fast")
+    from speculor import load_pair
+
+    with pytest.raises(SpeculorError, match="llama.cpp setting"):
+        load_pair(backend="torch", calls="batched")

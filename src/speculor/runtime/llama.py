@@ -49,8 +49,12 @@ import torch
 
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Block, fit_vocab
+from speculor.runtime.llama_cache import LlamaCache
 
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
+CALLS = ("exact", "batched")  # exact: rows in calls of at most EXACT_ROWS (the module docstring's bits);
+# batched: llama.cpp's own sizes (every row of a forward in calls of up to N_BATCH): a row's bits then depend on its
+# call, so an answer can depend on what shares its batch and speculation on plain decoding's low bits
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
@@ -98,9 +102,12 @@ def available() -> bool:
 class LlamaModel:
     """A GGUF model on llama.cpp, shared by every request: the `Backend` of runtime/backend.py."""
 
-    def __init__(self, path: str | Path, *, threads: int, vocab_size: int | None = None, n_ctx: int = N_CTX) -> None:
+    def __init__(self, path: str | Path, *, threads: int, vocab_size: int | None = None, n_ctx: int = N_CTX,
+                 calls: str = "exact") -> None:
+        if calls not in CALLS:
+            raise SpeculorError(f"calls must be one of {', '.join(CALLS)}, got {calls!r}")
         L = _lib()
-        self.L, self.path, self.threads = L, Path(path), threads
+        self.L, self.path, self.threads, self.calls = L, Path(path), threads, calls
         mp = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
@@ -160,7 +167,8 @@ class LlamaModel:
         buf = ctypes.create_string_buffer(256)
         self.L.llama_model_desc(self.model, buf, 256)
         kv = "/".join(KV_TYPES).lower()
-        return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} exact{EXACT_ROWS} kv {kv}"
+        rows = f"exact{EXACT_ROWS}" if self.calls == "exact" else f"batched{N_BATCH}"
+        return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} {rows} kv {kv}"
 
     def vocabulary(self) -> list[bytes]:
         """Every token's text (to check that a draft shares the target's vocabulary)."""
@@ -253,20 +261,22 @@ class LlamaModel:
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list:
         """Per block: logits [n, V] (fp32, host), or [1, V] with `last`. Short blocks packed into calls of at most
-        EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always."""
+        EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always. With
+        calls="batched", every block's rows packed into calls of up to N_BATCH rows, as llama.cpp batches."""
         self.release()
         self.make_room(blocks)
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
+        limit = EXACT_ROWS if self.calls == "exact" else N_BATCH
         for i, b in enumerate(blocks):
             rows = self._rows(b)
             want = [not b.last or j == len(rows) - 1 for j in range(len(rows))]
-            if b.parents is None and len(rows) > EXACT_ROWS:  # a prompt (chunk): calls of its own
+            if b.parents is None and len(rows) > limit:  # a prompt (chunk): calls of its own
                 calls += [[(i, rows[j:j + N_BATCH], want[j:j + N_BATCH])] for j in range(0, len(rows), N_BATCH)]
                 calls.append([])
                 continue
-            for j in range(0, len(rows), EXACT_ROWS):  # a tree: EXACT_ROWS rows a call at most, ancestors first
-                part = (i, rows[j:j + EXACT_ROWS], want[j:j + EXACT_ROWS])
-                if sum(len(r) for _, r, _ in calls[-1]) + len(part[1]) > EXACT_ROWS:
+            for j in range(0, len(rows), limit):  # a tree: `limit` rows a call at most, ancestors first
+                part = (i, rows[j:j + limit], want[j:j + limit])
+                if sum(len(r) for _, r, _ in calls[-1]) + len(part[1]) > limit:
                     calls.append([])
                 calls[-1].append(part)
         out: list[list[np.ndarray]] = [[] for _ in blocks]
@@ -348,62 +358,6 @@ class LlamaModel:
                         hidden[i].append(np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, k),
                                                                shape=(self.hidden_size,)).copy())
                 k += 1
-
-
-class LlamaCache:
-    """One request's entries in a `LlamaModel`'s memory (module docstring), with KVCache's interface: `length`
-    committed entries, `pending` (the parents of the pending rows), `keep(rows)`, `trim(n)`."""
-
-    def __init__(self, model: LlamaModel) -> None:
-        self.model, self.mem, self.L = model, model.mem, model.L
-        self.base = model.seq_id()
-        self.length = 0
-        self.parents: list[int] = []  # pending rows: parent (region index, -1 = the committed tip)
-        self.depth: list[int] = []  # ... depth below the committed tip (0 = a child of it)
-        self.own: list[int] = []  # ... the id of the row's own path
-        self.extra: list[int] = []  # ids of this request's other paths
-        self.pending = torch.zeros(0, dtype=torch.long)
-        model.live += 1
-        model.caches.add(self)
-        weakref.finalize(self, model.dead.append, (self.base, self.extra))  # `extra` as it is then
-
-    def new_id(self) -> int:
-        s = self.model.seq_id()
-        self.extra.append(s)
-        return s
-
-    def branched(self, p: int) -> bool:
-        """Whether a path already continues from row p (or from the committed tip, p = -1)."""
-        own = self.base if p < 0 else self.own[p]
-        return any(self.parents[r] == p and self.own[r] == own for r in range(len(self.parents) - 1))
-
-    def keep(self, rows: list[int]) -> None:
-        """Commit the pending rows `rows` (a path down from the committed tip, ascending); drop the rest."""
-        if rows:
-            assert all(self.parents[r] == q for q, r in zip([-1] + rows[:-1], rows, strict=True)), \
-                "the rows kept form a path from the committed tip"
-            own, end = self.own[rows[-1]], self.length + len(rows)
-            if own != self.base:
-                self.model.forget(self.base, self.length)
-                self.L.llama_memory_seq_cp(self.mem, own, self.base, self.length, end)
-            self.length = end
-        self.trim(self.length)
-
-    def trim(self, n: int) -> None:
-        """Forget every entry from slot n on (pending rows included: only a chain's may be partly kept)."""
-        if n >= self.length + len(self.parents):
-            return
-        keep = max(n - self.length, 0)  # pending rows kept
-        chain = self.parents[:keep] == list(range(-1, keep - 1)) and set(self.own[:keep]) <= {self.base}
-        assert chain, "only a chain's pending rows are partly kept"
-        self.model.forget(self.base, n)
-        for s in self.extra:
-            self.model.forget(s, -1)
-        self.model.free_ids.extend(self.extra)
-        self.extra.clear()
-        del self.parents[keep:], self.depth[keep:], self.own[keep:]
-        self.length = min(self.length, n)
-        self.pending = torch.tensor(self.parents, dtype=torch.long)
 
 
 def rows_of(rows: list[np.ndarray]) -> np.ndarray:

@@ -122,13 +122,16 @@ BACKENDS = ("auto", "torch", "llama.cpp")
 def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
               dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True,
               draft_vocab: int | None = None, lean_draft: bool = True, offload: bool = False,
-              backend: str = "auto", threads: int | None = None) -> Pair:
+              backend: str = "auto", threads: int | None = None, calls: str = "exact") -> Pair:
     """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
 
     backend: 'auto', the default (runtime/choice.py: the one this machine's measured cost curves predict fastest,
     said on stderr; torch without measuring where llama.cpp cannot run the pair), 'torch' (transformers, the fp32
     reference and the GPU path) or 'llama.cpp' (GGUF files on llama.cpp's own quantized kernels, runtime/llama.py).
     threads: the CPU threads of either (default: torch's).
+    calls (llama.cpp): 'exact', the default (rows in calls that give each the bits of a one-row call: speculative
+    output is plain decoding's and no answer depends on what shares its batch), or 'batched' (llama.cpp's own call
+    sizes: more throughput under load, neither guarantee; runtime/llama.py).
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
     draft with int8 weights (kernels.py). Either releases the fp32 weights it replaces (each weight is held once;
@@ -158,7 +161,10 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
                                 "--backend torch")
         if draft_vocab:
             raise SpeculorError("--draft-vocab restricts a torch draft's head: use --backend torch")
-        return load_llama_pair(target, draft, threads=torch.get_num_threads())
+        return load_llama_pair(target, draft, threads=torch.get_num_threads(), calls=calls)
+    if calls != "exact":
+        raise SpeculorError(f"--calls {calls} is a llama.cpp setting (torch's rows keep their bits in any batch): "
+                            "leave it out, or use --backend llama.cpp")
     check_device(device, offload)
     if draft_vocab:
         if draft is None:
@@ -201,7 +207,8 @@ def gguf_file(spec: str) -> Path:
                         f"'default', or use --backend torch)")
 
 
-def load_llama_pair(target: str = "default", draft: str | None = "default", *, threads: int) -> Pair:
+def load_llama_pair(target: str = "default", draft: str | None = "default", *, threads: int,
+                    calls: str = "exact") -> Pair:
     """The pair on llama.cpp (runtime/llama.py); the tokenizer is transformers' (from the converted folder of an
     embedded model, else read from the GGUF)."""
     from speculor.runtime.llama import LlamaModel
@@ -215,10 +222,10 @@ def load_llama_pair(target: str = "default", draft: str | None = "default", *, t
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise SpeculorError(f"could not read the tokenizer of {target!r} (corrupt or unsupported file?): "
                             f"{exc}") from exc
-    t_lm = LlamaModel(t_path, threads=threads)
+    t_lm = LlamaModel(t_path, threads=threads, calls=calls)
     d_lm = None
     if draft is not None:
-        d_lm = LlamaModel(gguf_file(draft), threads=threads, vocab_size=t_lm.vocab_size)
+        d_lm = LlamaModel(gguf_file(draft), threads=threads, vocab_size=t_lm.vocab_size, calls=calls)
         if d_lm.vocabulary() != t_lm.vocabulary():
             raise SpeculorError(f"the draft's vocabulary differs from the target's ({d_lm.n_vocab} vs {t_lm.n_vocab} "
                                 "tokens); on llama.cpp the draft needs the target's tokenizer (a draft with another "

@@ -26,6 +26,7 @@ class RaySettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kernels: Literal["fast", "eager"] = "fast"
     threads: int | None = Field(None, ge=1)
+    calls: Literal["exact", "batched"] = "exact"  # llama.cpp's calls (runtime/llama.py CALLS)
     draft_vocab: int | None = None
     offload: bool = False
     # the engine
@@ -67,12 +68,13 @@ class RaySettings(BaseModel):
         """What a replica is made from: the pair and the engine, not the scaling (a change of scale then restarts no
         replica: Ray Serve starts a new version only when these change)."""
         return self.model_dump(include={"target", "draft", "backend", "device", "dtype", "kernels", "threads",
-                                        "draft_vocab", "offload", "strategy", "options", "queue_size", "max_batch"})
+                                        "calls", "draft_vocab", "offload", "strategy", "options", "queue_size",
+                                        "max_batch"})
 
     def model_args(self) -> SimpleNamespace:
         return SimpleNamespace(target=self.target, draft=self.draft, backend=self.backend, device=self.device,
                                dtype=self.dtype, kernels=self.kernels, threads=self.threads,
-                               draft_vocab=self.draft_vocab, offload=self.offload)
+                               calls=self.calls, draft_vocab=self.draft_vocab, offload=self.offload)
 
     def actor_options(self) -> dict[str, Any]:
         """What each replica asks Ray for: CPUs, memory for the pair, a GPU on cuda."""

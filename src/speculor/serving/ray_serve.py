@@ -273,7 +273,7 @@ def build(args: dict[str, Any]) -> Any:
 
 def serve_cli(args: Any, strategy: str | None, options: dict[str, Any], ray_args: list[str]) -> None:
     """`speculor serve --ray`: its arguments (argparse's; `ray_args` the Ray options given) as settings, then `run`."""
-    names = ("target", "draft", "backend", "device", "dtype", "kernels", "threads", "draft_vocab", "offload",
+    names = ("target", "draft", "backend", "device", "dtype", "kernels", "threads", "calls", "draft_vocab", "offload",
              "queue_size", "max_batch", *ray_args)
     settings = RaySettings.of({n: getattr(args, n) for n in names} | {"strategy": strategy, "options": options})
     run(settings, host=args.host, port=args.port, address=args.ray_address, metrics_port=args.metrics_port)
