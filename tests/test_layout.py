@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "speculor"
-STRATEGIES = ["dyspec", "gsd", "sequoia", "specdecpp", "specinfer", "topk_tree"]
+STRATEGIES = ["dyspec", "gsd", "sequoia", "specdecpp", "specinfer", "suffix", "topk_tree"]
 # a module may import from its own layer and the layers below it (config and errors are at the bottom)
 LAYERS = ["core", "runtime", "drafters", "engine", "api", "methods", "serving", "bench"]  # api: the module api.py
 

@@ -22,6 +22,7 @@ from speculor.drafters.gsd import make_gsd
 from speculor.drafters.sequoia import make_sequoia
 from speculor.drafters.specdecpp import make_specdecpp
 from speculor.drafters.specinfer import make_ngram, make_specinfer
+from speculor.drafters.suffix import make_suffix
 from speculor.drafters.topk_tree import make_topk_tree
 from speculor.errors import SpeculorError
 from speculor.runtime.loading import Pair
@@ -36,7 +37,7 @@ def _chain(pair: Pair, k: int = 4) -> Shared:
     return Shared(partial(ChainDrafter, pair.draft, k))
 
 
-TEXT_LEVEL = ("plain", "chain", "ngram")  # the strategies a draft with another tokenizer can serve
+TEXT_LEVEL = ("plain", "chain", "ngram", "suffix")  # the strategies a draft with another tokenizer can serve
 
 
 BUILDERS: dict[str, Callable[..., Strategy | None]] = {
@@ -50,6 +51,7 @@ BUILDERS: dict[str, Callable[..., Strategy | None]] = {
     "topk-tree": make_topk_tree,  # options: budget, depth, k (see topk_tree.TopkOptions)
     "gsd": make_gsd,  # options: n, k, sibling_threshold, prob_threshold, depth, budget (see gsd.GSDOptions)
     "eagle": make_eagle,  # options: budget (int or "auto"), depth, threshold, heads (see eagle.make_eagle)
+    "suffix": make_suffix,  # options: budget (int or "auto"), max_depth, min_prob, shared, max_tokens (suffix.py)
 }
 
 

@@ -1,0 +1,173 @@
+"""SuffixDecoding (Oliaro et al., NeurIPS 2025; docs/algorithms.md §15) as a strategy: model-free draft trees read off
+suffix tries (core/suffix.py) of the request's own tokens and of earlier requests' outputs. Zero draft forwards.
+
+Each step both tries are matched against the sequence's tail: the request's own (prompt and output so far) and, with
+`shared`, the strategy's `SuffixCache` of outputs (those of earlier requests and the running ones' so far). The one
+with the longer match drafts, the request's own on a tie (match length first, then frequency: the counts rank the
+continuations). Its tree is the continuations best-first by their empirical path probability P(u), every node a
+point mass on its token: verified with the point-mass rule (greedy matching at T = 0), exact whatever chose the
+tokens (§2). No match followed by anything: the empty tree, a plain step.
+
+Tree size:
+    budget = k      the best k nodes with P >= min_prob (fewer where fewer are that likely)
+    budget "auto"   the best n of them (n <= AUTO_CAP, 0 included) for the highest expected rate on this machine's
+                    cost curve, the step's tokens estimated from the counts:
+
+                        rate(n) = (1 + Σ_{i<n} v_i) / t_target(n + 1)        v_i = min(1, trust · P(u_i))
+
+                    trust = (accepted + PRIOR) / (Σ v drafted + PRIOR) over the request's earlier steps, both sums
+                    fading by DECAY at each step that drafts nothing: how far the counts over- or under-state what
+                    the target accepts (1 until something was verified).
+The request's tokens are indexed as the engine commits them (`observe` sees each step's accepted path and its
+recovered/bonus token, the last step's too), its output into the shared cache as well, at once: a running request's
+output already serves the others. No engine hook is needed for a request's end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculor.config import SamplingConfig, check_int, is_int, is_num
+from speculor.core.goodput import Costs
+from speculor.core.suffix import NOTHING, Candidate, SuffixCache, SuffixTrie
+from speculor.core.tree import EMPTY, DraftTree
+from speculor.core.verify import Verdict
+from speculor.drafters.base import Drafter, Proposal
+from speculor.errors import SpeculorError
+from speculor.runtime.cost import machine_cost
+from speculor.runtime.loading import Pair
+
+DEFAULT_BUDGET = 16  # draft tokens per step on torch (rows nearly free); llama.cpp: "auto"
+AUTO_CAP = 64  # most draft tokens per step with budget "auto"
+PRIOR = 2.0  # pseudo-tokens of trust 1: the counts are taken at their word until steps say otherwise
+DECAY = 0.9  # what is kept of the trust's sums at each step that drafts nothing
+ON_OFF = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """budget: most draft tokens per step, or "auto" (the cost curve decides, at most AUTO_CAP); max_depth: the
+    tries' depth, match and continuation together (matches of at most max_depth // 2 tokens); min_prob: smallest
+    path probability P drafted; shared: whether requests share a trie of their outputs; max_tokens: most tokens
+    that trie keeps (the oldest requests' evicted first)."""
+
+    budget: int | str = DEFAULT_BUDGET
+    max_depth: int = 24
+    min_prob: float = 0.1
+    shared: bool = True
+    max_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.budget != "auto" and (not is_int(self.budget) or not 1 <= self.budget <= 1024):
+            raise SpeculorError(f"budget must be an integer in [1, 1024] or 'auto', got {self.budget!r}")
+        check_int("max_depth", self.max_depth, 2, 256)
+        if not is_num(self.min_prob) or not 0 < self.min_prob <= 1:
+            raise SpeculorError(f"min_prob must be a number in (0, 1], got {self.min_prob!r}")
+        if not isinstance(self.shared, bool):
+            raise SpeculorError(f"shared must be on or off (a bool), got {self.shared!r}")
+        check_int("max_tokens", self.max_tokens, 1, 1 << 26)
+
+    @property
+    def cap(self) -> int:
+        return AUTO_CAP if self.budget == "auto" else int(self.budget)
+
+
+class SuffixStrategy:
+    """The shared part: options, the machine's cost curve (budget "auto") and the trie of outputs (`shared`)."""
+
+    def __init__(self, opts: SuffixOptions, cost: Costs | None = None) -> None:
+        if opts.budget == "auto" and cost is None:
+            raise SpeculorError("suffix with budget='auto' needs the machine's cost model")
+        self.opts, self.cost = opts, cost
+        self.cache = SuffixCache(opts.max_depth, opts.max_tokens) if opts.shared else None
+
+    def drafter(self) -> SuffixDrafter:
+        return SuffixDrafter(self.opts, self.cache, self.cost)
+
+
+class SuffixDrafter(Drafter):
+    """One request's drafter (module docstring). After `propose`: `candidate` = the tree drafted (its P's),
+    stats = {match, nodes, shared (1 if the shared trie drafted), trust}."""
+
+    def __init__(self, opts: SuffixOptions | None = None, cache: SuffixCache | None = None,
+                 cost: Costs | None = None) -> None:
+        self.opts, self.cache, self.cost = opts or SuffixOptions(), cache, cost
+        self.accepted = self.drafted = 0.0  # the trust's sums (budget "auto")
+        self.reset()
+
+    def reset(self) -> None:
+        self.trie = SuffixTrie(self.opts.max_depth)
+        self.known = 0  # tokens of the sequence indexed
+        self.seq_id = self.cache.open() if self.cache is not None else None
+        self.candidate, self.values = NOTHING, []
+
+    @property
+    def trust(self) -> float:
+        return (self.accepted + PRIOR) / (self.drafted + PRIOR)
+
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        self._index(seq[self.known:], output=self.known > 0)
+        own = self.trie.propose(seq, self.opts.cap, self.opts.min_prob)
+        other = self.cache.propose(seq, self.opts.cap, self.opts.min_prob) if self.cache is not None else NOTHING
+        best = other if other.match > own.match else own
+        values = [min(1.0, self.trust * p) for p in best.probs] if self.cost is not None else best.probs
+        n = self._cut(values) if self.cost is not None else len(values)
+        if values and n == 0:  # a match not tried: what was learned fades
+            self.accepted, self.drafted = self.accepted * DECAY, self.drafted * DECAY
+        self.candidate = Candidate(best.tokens[:n], best.parents[:n], best.probs[:n], best.match if n else 0)
+        self.values = values[:n]
+        self.expected_tokens = 1.0 + sum(self.values)
+        self.stats = {"match": float(self.candidate.match), "nodes": float(n),
+                      "shared": float(n > 0 and best is other), "trust": self.trust}
+        if n == 0:
+            return EMPTY
+        return DraftTree(torch.tensor(self.candidate.tokens, dtype=torch.long),
+                         torch.tensor(self.candidate.parents, dtype=torch.long), None, "point")
+        yield  # asks for nothing
+
+    def _cut(self, values: list[float]) -> int:
+        """The number of best-first nodes with the highest expected rate (module docstring), 0 = none."""
+        best, tokens = (1.0 / self.cost.t_target(1), 0), 1.0
+        for n, v in enumerate(values, 1):
+            tokens += v
+            best = max(best, (tokens / self.cost.t_target(n + 1), n))
+        return best[1]
+
+    def observe(self, n_committed: int, verdict: Verdict) -> None:
+        if self.candidate.tokens and self.cost is not None:
+            self.accepted += len(verdict.path)
+            self.drafted += sum(self.values)
+        if n_committed == self.known:  # the step's tokens, now: the last step of a request is never proposed after
+            self._index([self.candidate.tokens[i] for i in verdict.path] + [verdict.token], output=True)
+
+    def _index(self, tokens: list[int], output: bool) -> None:
+        """Index committed tokens in the request's trie, and an output's in the shared one."""
+        if not tokens:
+            return
+        self.trie.extend(tokens)
+        if output and self.cache is not None:
+            self.cache.extend(self.seq_id, tokens)
+        self.known += len(tokens)
+
+
+def switch(value: object, name: str) -> bool:
+    """An on/off option given as a bool, 0/1 or on/off, true/false, yes/no (any case); SpeculorError otherwise."""
+    if isinstance(value, bool):
+        return value
+    if is_int(value) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ON_OFF:
+        return ON_OFF[value.strip().lower()]
+    raise SpeculorError(f"{name} must be on or off, got {value!r}")
+
+
+def make_suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24, min_prob: float = 0.1,
+                shared: bool | str = True, max_tokens: int = 16384) -> SuffixStrategy:
+    """Builder of the `suffix` strategy (SuffixOptions; shared also as on/off). Default budget: "auto" on
+    llama.cpp (t(n) grows with n), DEFAULT_BUDGET on torch."""
+    if budget is None:
+        budget = "auto" if pair.backend == "llama.cpp" else DEFAULT_BUDGET
+    opts = SuffixOptions(budget, max_depth, min_prob, switch(shared, "shared"), max_tokens)
+    return SuffixStrategy(opts, machine_cost(pair) if opts.budget == "auto" else None)

@@ -1,0 +1,321 @@
+"""SuffixDecoding (docs/algorithms.md §15): the suffix trie's counts and longest match against brute force, the tree
+read off a hand-built sequence, the shared trie's bounded memory (oldest evicted first) and a threaded smoke test;
+through the engine on the toy LM: greedy output equal to plain greedy with drafts accepted, the exact law at T = 1
+and T = 0.7 (chi-square) with a negative control that the same harness catches, the shared trie helping a request
+that repeats an earlier one's output; the auto budget on two cost curves; the strategy's options."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from support.stats import goodness_of_fit
+from support.toy import N, V, exact_law, plain_greedy, random_toy
+
+import speculor.core.verify
+from speculor import engine
+from speculor.config import SamplingConfig
+from speculor.core.suffix import SuffixCache, SuffixTrie
+from speculor.core.verify import Verdict
+from speculor.drafters.registry import make_strategy, options_of
+from speculor.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixStrategy
+from speculor.engine.drafting import drive
+from speculor.errors import SpeculorError
+from speculor.runtime.cost import CostModel
+from speculor.runtime.loading import Pair
+from speculor.runtime.model import Model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingConfig()
+
+
+def paths(node, prefix=()) -> dict[tuple[int, ...], int]:
+    """Every node of a trie below `node`: its token path -> its count."""
+    out = {}
+    for t, kid in node.kids():
+        out[prefix + (t,)] = kid.count
+        out.update(paths(kid, prefix + (t,)))
+    return out
+
+
+def substrings(seqs: list[list[int]], depth: int) -> Counter:
+    """Brute force: occurrences of every token string of 1..depth tokens in the sequences."""
+    return Counter(tuple(s[i:i + n]) for s in seqs for n in range(1, depth + 1) for i in range(len(s) - n + 1))
+
+
+def brute_match(seqs: list[list[int]], context: list[int], longest: int) -> int:
+    """The longest tail of context (<= longest tokens) that occurs somewhere followed by a token."""
+    followed = {tuple(s[i:i + n]) for s in seqs for n in range(1, longest + 1) for i in range(len(s) - n)}
+    return max((n for n in range(1, min(longest, len(context)) + 1) if tuple(context[-n:]) in followed), default=0)
+
+
+# ---------------------------------------------------------------- the trie
+
+
+def test_counts_and_longest_match_equal_brute_force():
+    rng = random.Random(0)
+    for case in range(30):
+        depth = rng.choice([2, 3, 5, 8])
+        seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(rng.randrange(1, 4))]
+        trie = SuffixTrie(depth)
+        for i, s in enumerate(seqs):
+            cut = rng.randrange(len(s) + 1)  # appended in two pieces: the same as at once
+            trie.extend(s[:cut], i)
+            trie.extend(s[cut:], i)
+        want = substrings(seqs, depth)
+        assert paths(trie.root) == dict(want), f"case {case}"
+        assert trie.nodes == len(want)
+        for context in (seqs[-1], [rng.randrange(4) for _ in range(6)]):
+            length, node = trie.match(context)
+            assert length == brute_match(seqs, context, depth // 2), f"case {case}: {context}"
+            assert (node is None) == (length == 0) and (node is None or node.count == want[tuple(context[-length:])])
+
+
+def test_the_tree_of_a_hand_built_sequence():
+    """1 2 3 1 2 4 1 2 3 5 1 2: the tail 1 2 (4 times, the last unfinished) was followed by 3 twice and 4 once;
+    1 2 3 by 1 and 5, 1 2 4 by 1. Depth 6 leaves 4 levels under the 2-token match."""
+    seq = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]
+    trie = SuffixTrie(6)
+    trie.extend(seq)
+    assert [trie.find(s).count for s in ([1, 2], [1, 2, 3], [2, 3, 1], [5])] == [4, 2, 1, 1]
+    c = trie.propose(seq, 10, 0.05)
+    assert c.match == 2
+    assert c.tokens == [3, 4, 1, 5, 1, 2, 1, 2, 4, 2]
+    assert c.parents == [-1, -1, 0, 0, 1, 2, 3, 4, 5, 6]
+    assert c.probs == pytest.approx([0.5] + [0.25] * 9) and c.score == pytest.approx(2.75)
+    assert trie.propose(seq, 3, 0.05).tokens == [3, 4, 1]  # the budget keeps the best-first prefix
+    assert trie.propose(seq, 10, 0.3).tokens == [3]  # min_prob: P(4) = P(3 1) = 0.25 are left out
+    assert trie.propose([1, 2, 3, 4, 6], 10, 0.05).match == 0  # 4 6 and 6 were never followed
+
+
+def test_the_pattern_is_at_most_half_the_depth():
+    seq = list(range(10)) * 2  # a long exact repeat: the match stops at depth // 2, so 4 tokens can follow
+    trie = SuffixTrie(8)
+    trie.extend(seq)
+    c = trie.propose(seq, 20, 0.01)
+    assert c.match == 4 and c.tokens == [0, 1, 2, 3] and c.parents == [-1, 0, 1, 2]
+
+
+def fresh(seqs: dict[int, list[int]], depth: int) -> SuffixTrie:
+    trie = SuffixTrie(depth)
+    for i, s in seqs.items():
+        trie.extend(s, i)
+    return trie
+
+
+def test_shared_trie_memory_stays_bounded():
+    rng = random.Random(1)
+    cache = SuffixCache(max_depth=8, max_tokens=100)
+    ids = []
+    for _ in range(40):
+        ids.append(cache.open())
+        for _ in range(rng.randrange(1, 6)):
+            cache.extend(ids[-1], [rng.randrange(5) for _ in range(rng.randrange(1, 12))])
+            assert cache.tokens <= 100 and cache.trie.nodes <= 100 * 8
+    kept = cache.sequences()
+    assert 0 < cache.tokens == sum(map(len, kept.values())) <= 100 and len(kept) < 40
+    assert list(kept) == ids[-len(kept):]  # the newest kept, the oldest evicted
+    assert paths(cache.trie.root) == paths(fresh(kept, 8).root)  # evicted sequences counted out exactly
+    assert cache.trie.nodes == fresh(kept, 8).nodes
+    # one sequence alone past the bound: what fits is kept, then nothing more of it
+    alone = SuffixCache(max_depth=4, max_tokens=10)
+    a = alone.open()
+    alone.extend(a, list(range(7)))
+    alone.extend(a, list(range(7, 14)))
+    alone.extend(a, [1, 2])
+    assert alone.sequences() == {a: list(range(10))} and alone.tokens == 10
+    b = alone.open()  # a new sequence evicts it
+    alone.extend(b, [3, 3])
+    assert alone.sequences() == {b: [3, 3]} and paths(alone.trie.root) == {(3,): 2, (3, 3): 1}
+
+
+def test_shared_trie_under_threads():
+    cache = SuffixCache(max_depth=6, max_tokens=400)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            rng, me = random.Random(seed), cache.open()
+            seq: list[int] = []
+            for _ in range(150):
+                new = [rng.randrange(3) for _ in range(rng.randrange(1, 4))]
+                cache.extend(me, new)
+                seq += new
+                c = cache.propose(seq, 8, 0.05)
+                assert all(p < i for i, p in enumerate(c.parents)) and len(c.tokens) <= 8
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    kept = cache.sequences()
+    assert 0 < cache.tokens == sum(map(len, kept.values())) <= 400
+    assert paths(cache.trie.root) == paths(fresh(kept, 6).root)
+
+
+# ---------------------------------------------------------------- the drafter
+
+
+def test_no_match_drafts_nothing():
+    drafter = SuffixDrafter(SuffixOptions(shared=False))
+    tree = drive(drafter.propose([1, 2, 3, 4, 5], GREEDY, None))
+    assert len(tree) == 0 and drafter.forwards == 0 and drafter.expected_tokens == 1.0
+    tree = drive(drafter.propose([1, 2, 3, 4, 5, 1, 2], GREEDY, None))  # the sequence grew: 1 2 was followed by 3
+    assert tree.tokens.tolist()[:1] == [3] and tree.draw == "point" and tree.q is None
+    assert drafter.stats["match"] == 2 and drafter.expected_tokens == pytest.approx(1 + sum(drafter.candidate.probs))
+
+
+def run(target, drafter, prompt: list[int], cfg: SamplingConfig) -> tuple[list[int], engine.Stats]:
+    stats = engine.Stats()
+    out = [t.id for t in engine.stream(Model(target), drafter, prompt, cfg, stats=stats)]
+    return out, stats
+
+
+REPETITIVE = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]  # 1 2 was followed by 3, 4 and 5: a root with three children
+
+
+@pytest.mark.parametrize("budget", [1, 16])
+def test_greedy_equals_plain_greedy(target, budget):
+    strategy = SuffixStrategy(SuffixOptions(budget=budget, min_prob=0.05))
+    accepted = {}
+    for prompt in ([0], [1, 2], [5, 4, 3, 2], [3, 3, 3], REPETITIVE):
+        out, stats = run(target, strategy.drafter(), prompt, SamplingConfig(max_new_tokens=30))
+        assert out == plain_greedy(target, prompt, 30), f"prompt {prompt}"
+        assert all(s.draft_forwards == 0 and s.drafted <= budget for s in stats.steps)
+        accepted[tuple(prompt)] = sum(s.accepted for s in stats.steps)
+    assert accepted[tuple(REPETITIVE)] > 0 and sum(accepted.values()) > 10, accepted
+
+
+def law_counts(target, m: int, cfg: SamplingConfig, seed0: int) -> tuple[torch.Tensor, int, int]:
+    """Counts [V]*N of the first N tokens after REPETITIVE over m seeded runs of one drafter (its shared trie
+    filling with the runs' outputs), the draft tokens accepted, and the steps drafted by the shared trie."""
+    t_model, drafter = Model(target), SuffixStrategy(SuffixOptions(budget=8, min_prob=0.05)).drafter()
+    counts, accepted, shared = torch.zeros([V] * N, dtype=torch.float64), 0, 0
+    for i in range(m):
+        stats = engine.Stats()
+        run_cfg = replace(cfg, max_new_tokens=N, seed=seed0 + i)
+        counts[tuple(t.id for t in engine.stream(t_model, drafter, REPETITIVE, run_cfg, stats=stats))] += 1
+        accepted += sum(s.accepted for s in stats.steps)
+        shared += sum(s.drafter_stats["shared"] for s in stats.steps)
+    return counts, accepted, shared
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7)])
+def test_the_exact_law(target, cfg):
+    counts, accepted, shared = law_counts(target, 2500, cfg, seed0=100)
+    pvalue, tv, floor = goodness_of_fit(counts, exact_law(target, REPETITIVE, cfg, N))
+    assert pvalue > 1e-3, f"T={cfg.temperature}: chi-square p-value {pvalue:.2e}, TV {tv:.4f}"
+    assert tv < 2 * floor, f"TV {tv:.4f} vs noise floor {floor:.4f}"
+    assert accepted > 500 and shared > 0  # drafts of both tries were verified, many accepted
+
+
+def test_chi_square_catches_a_verifier_that_accepts_every_point_draft(target, monkeypatch):
+    """Negative control: point-mass children tested against a vanishing d(x), so any child the target allows is
+    accepted (the first one tried wins)."""
+    honest = speculor.core.verify._draw_distribution
+
+    def lax(tree, c, drawn, r):
+        d = honest(tree, c, drawn, r)
+        return d * 1e-12 if tree.kind(c) == "point" else d
+
+    monkeypatch.setattr(speculor.core.verify, "_draw_distribution", lax)
+    cfg = SamplingConfig(temperature=1.0)
+    counts, _, _ = law_counts(target, 800, cfg, seed0=5000)
+    pvalue, tv, _ = goodness_of_fit(counts, exact_law(target, REPETITIVE, cfg, N))
+    assert pvalue < 1e-6, f"biased verifier not detected: p-value {pvalue:.2e}, TV {tv:.4f}"
+
+
+def test_the_shared_trie_helps_a_request_that_repeats_an_earlier_output():
+    target = random_toy(64, seed=2, scale=0.5)  # its greedy output does not repeat itself within 32 tokens
+    prompt, cfg = [0, 1], SamplingConfig(max_new_tokens=32)
+    got = {}
+    for shared in (True, False):
+        strategy = SuffixStrategy(SuffixOptions(shared=shared))
+        first, _ = run(target, strategy.drafter(), prompt, cfg)
+        second, stats = run(target, strategy.drafter(), prompt, cfg)  # a new request, the same output
+        assert first == second == plain_greedy(target, prompt, 32)
+        got[shared] = sum(s.accepted for s in stats.steps), len(stats.steps)
+        assert (strategy.cache is not None) == shared
+    assert got[False] == (0, 32)  # alone: nothing to copy from
+    assert got[True][0] >= 24 and got[True][1] <= 8, got  # the first request's output, drafted whole
+
+
+def test_the_last_step_of_a_request_reaches_the_shared_trie():
+    cache = SuffixCache(8, 100)
+    drafter = SuffixDrafter(SuffixOptions(), cache)
+    drive(drafter.propose([7, 8, 9], GREEDY, None))  # the prompt: the request's trie only
+    drafter.observe(3, Verdict([], 4))
+    assert cache.sequences() == {drafter.seq_id: [4]} and drafter.known == 4
+    drive(drafter.propose([7, 8, 9, 4], GREEDY, None))
+    assert cache.sequences() == {drafter.seq_id: [4]}  # nothing indexed twice
+
+
+# ---------------------------------------------------------------- budget "auto"
+
+SIZES = tuple(range(1, 17))
+FLAT = CostModel(SIZES, tuple(0.5 + 0.01 * n for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
+STEEP = CostModel(SIZES, tuple(0.05 * (1 + 0.6 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
+MID = CostModel(SIZES, tuple(0.05 * (1 + 0.2 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
+
+
+def step(drafter: SuffixDrafter, seq: list[int], accept: bool) -> int:
+    """One proposal after seq; the target accepts the whole first path or nothing. Its size."""
+    tree = drive(drafter.propose(seq, GREEDY, None))
+    path: list[int] = []
+    while accept and (kids := tree.children(path[-1] if path else -1)):
+        path.append(kids[0])
+    drafter.observe(len(seq), Verdict(path, 0))
+    drafter.reset()  # the same sequence each time: its tokens are indexed afresh
+    return len(tree)
+
+
+def test_auto_cuts_to_what_the_curve_pays_and_learns():
+    once = list(range(10, 20)) + [10, 11]  # 10 11 followed once before: P = 1/2 for each of the 10 tokens after
+    twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # 10 11 -> 12 13 twice: P = 2/3; then 1/3 each
+    auto = SuffixOptions(budget="auto", shared=False)
+    assert step(SuffixDrafter(auto, cost=FLAT), once, True) == 10  # rows nearly free: all the continuation
+    assert step(SuffixDrafter(auto, cost=STEEP), once, True) == 0  # (1 + 1/2) / t(2) < 1 / t(1)
+    assert step(SuffixDrafter(auto, cost=STEEP), twice, True) == 2  # 12 13 pay, the 1/3 ones do not
+    learner = SuffixDrafter(auto, cost=MID)
+    sizes = [step(learner, twice, True) for _ in range(4)]
+    assert sizes[-1] > sizes[0] and learner.trust > 1  # every token accepted: the counts understate, longer cuts
+    failing = SuffixDrafter(auto, cost=STEEP)
+    tried = [step(failing, twice, False) for _ in range(40)]
+    assert tried[:2] == [2, 0] and failing.trust < 1  # rejected: it stops drafting
+    assert any(tried[2:])  # ... and tries again once what it learned has faded
+    with pytest.raises(SpeculorError, match="cost model"):
+        SuffixStrategy(auto)
+
+
+# ---------------------------------------------------------------- the strategy and its options
+
+
+def test_the_strategy_and_its_options():
+    assert options_of("suffix") == ["budget", "max_depth", "min_prob", "shared", "max_tokens"]
+    pair = Pair(None, None, None)
+    default = make_strategy("suffix", pair)
+    assert default.opts == SuffixOptions() and default.cache is not None and default.cost is None
+    off = make_strategy("suffix", pair, shared="off", budget=4, max_depth=8, min_prob=0.5, max_tokens=64)
+    assert off.cache is None and off.opts == SuffixOptions(4, 8, 0.5, False, 64)
+    a, b = default.drafter(), default.drafter()
+    assert a.cache is b.cache and a.trie is not b.trie and a.seq_id != b.seq_id  # shared trie, own tries
+    other_vocab = Pair(None, None, None, draft_tokenizer=object())  # model-free: a draft's tokenizer does not matter
+    assert make_strategy("suffix", other_vocab).cache is not None
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("budget", 0), ("budget", "x"), ("budget", 2.5), ("budget", True), ("max_depth", 1), ("max_depth", "8"),
+    ("min_prob", 0), ("min_prob", 1.5), ("min_prob", "0.1"), ("shared", "maybe"), ("shared", 2), ("max_tokens", 0),
+])
+def test_bad_options_name_the_option(option, value):
+    with pytest.raises(SpeculorError, match=option):
+        make_strategy("suffix", Pair(None, None, None), **{option: value})
