@@ -8,8 +8,11 @@ STAMP := $(VENV)/.installed
 # does not enable (seen here: llama_decode died of SIGILL on `tilezero`)
 AMX_OFF := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE := -DCMAKE_C_FLAGS='$(AMX_OFF)' -DCMAKE_CXX_FLAGS='$(AMX_OFF)'
+# llama-server, the peer of `speculor loadtest --peer llama-server`: built once from the llama.cpp source that the
+# installed llama-cpp-python vendors (its sdist), so that it runs the same kernels; delete it to rebuild
+LLAMA_SERVER := $(or $(SPECULOR_CACHE),$(HOME)/.cache/speculor)/bin/llama-server
 
-.PHONY: setup models bench test unit lint
+.PHONY: setup models bench test unit lint llama-server
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,3 +38,15 @@ test: models
 
 lint: setup
 	$(PY) -m ruff check src tests
+
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER): | $(STAMP)                        # ~6 min on 2 cores; needs cmake and a C++ compiler
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	version=$$($(PY) -c 'from importlib.metadata import version; print(version("llama_cpp_python"))'); \
+	$(PY) -m pip download -q "llama-cpp-python==$$version" --no-deps --no-binary :all: -d "$$tmp"; \
+	mkdir "$$tmp/src"; tar xzf "$$tmp"/llama_cpp_python-*.tar.gz -C "$$tmp/src" --strip-components=1; \
+	cmake -S "$$tmp/src/vendor/llama.cpp" -B "$$tmp/build" -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
+	  -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF $(LLAMA_CMAKE); \
+	cmake --build "$$tmp/build" --target llama-server -j2; \
+	mkdir -p "$(@D)"; cp "$$tmp/build/bin/llama-server" "$@.partial"; mv "$@.partial" "$@"

@@ -25,6 +25,10 @@ def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto") -> None:
                    "reference, and the GPU), llama.cpp (the GGUF files on llama.cpp's own quantized kernels). Output "
                    "is exact against the chosen backend's own plain decoding")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of either backend (default: torch's)")
+    p.add_argument("--calls", choices=("exact", "batched"), default="exact",
+                   help="llama.cpp's calls: exact (default; every row gets the bits of a one-row call, so speculative "
+                   "output is plain decoding's and no answer depends on what shares its batch) or batched "
+                   "(llama.cpp's own call sizes: more throughput under load, neither guarantee)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="the models' weights and arithmetic (auto: bfloat16 on cuda, float32 on cpu); greedy output "
@@ -172,12 +176,24 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--url", default="http://127.0.0.1:8000")
     lt.add_argument("--clients", default="1,4,16,32", help="comma-separated concurrencies, one round each")
     lt.add_argument("--requests", type=int, default=1, help="requests per client in a round, one after another")
+    lt.add_argument("--sets", default="mtbench,humaneval", help="prompt sets, comma-separated (bench's names)")
+    lt.add_argument("--limit", type=int, default=16, help="prompts taken from the sets (mixed in turn)")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--strategy", default=None, help="the requests' speculative strategy, or several comma-separated "
                     "(one series each; default: the server's)")
     lt.add_argument("--reference", action="store_true", help="first ask every prompt alone, one after another: "
                     "every later answer is checked against its one-client answer")
     lt.add_argument("--out", default=None, help="JSON file for the rows (and a PNG plot beside it)")
+    lt.add_argument("--peer", choices=("llama-server",), default=None,
+                    help="after our rounds, start llama-server as its users do (-m GGUF -t/-tb --threads -c 32768 "
+                    "-np the largest --clients) and run the same rounds against it (implies --reference); the table "
+                    "gets our tokens/s ÷ its. Its binary: `make llama-server`")
+    lt.add_argument("--llama-server", default=None, metavar="PATH", help="the peer's binary (default: the one "
+                    "`make llama-server` built, else llama-server on PATH)")
+    lt.add_argument("--gguf", default="default", help="the peer's model: 'default' (the embedded target's GGUF), "
+                    "an embedded model's name or a .gguf file; give the target our server runs")
+    lt.add_argument("--threads", type=int, default=None, help="the peer's -t and -tb (give our server's --threads; "
+                    "default: this machine's CPU count)")
     return ap
 
 

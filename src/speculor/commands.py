@@ -7,6 +7,7 @@ and `speculor loadtest` start without them.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -18,10 +19,11 @@ Args = Any  # the argparse.Namespace of the command
 # The registered strategies and, per strategy option of `generate` and `serve`, the strategies that take it, as
 # `speculor.drafters.registry` says (BUILDERS, options_of; tests/test_cli.py checks that they agree). Spelled out
 # here so that `--help` needs no import of the registry, which imports torch.
-STRATEGIES = ("plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle")
+STRATEGIES = ("plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle",
+              "suffix")
 TAKEN_BY = {
     "k": ("chain", "ngram", "topk-tree", "gsd"),
-    "budget": ("sequoia", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle"),
+    "budget": ("sequoia", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle", "suffix"),
     "depth": ("sequoia", "dyspec", "topk-tree", "gsd", "eagle"),
     "width": ("sequoia",),
     "acc": ("sequoia",),
@@ -66,7 +68,7 @@ def load_pair_from_args(args: Args):
     return load_pair(args.target, draft, device=args.device, dtype=torch_dtype(args), packed=fast,
                      draft_int8=fast, draft_vocab=getattr(args, "draft_vocab", None),
                      offload=getattr(args, "offload", False), backend=getattr(args, "backend", "auto"),
-                     threads=getattr(args, "threads", None))
+                     threads=getattr(args, "threads", None), calls=getattr(args, "calls", "exact"))
 
 
 def cmd_generate(args: Args) -> None:
@@ -302,19 +304,28 @@ def cmd_serve(args: Args) -> None:
 def cmd_loadtest(args: Args) -> None:
     from pathlib import Path
 
-    from speculor.bench import loadtest, prompts  # httpx and the prompt sets: no torch
+    from speculor.bench import loadtest, peer_server, prompts  # httpx and the prompt sets: no torch
 
     try:
         clients = [int(c) for c in args.clients.split(",")]
     except ValueError:
         raise SpeculorError(f"--clients takes comma-separated integers, got {args.clients!r}") from None
-    texts = [p.text for p in prompts.load(["mtbench", "humaneval"], 16)]
-    rows = []
-    for name in (args.strategy.split(",") if args.strategy else [None]):  # one series per strategy
-        spec = {"strategy": name} if name else None
-        rows += [r | {"strategy": name} for r in loadtest.run(args.url, texts, clients, requests=args.requests,
-                                                              max_tokens=args.max_tokens, speculative=spec,
-                                                              reference=args.reference)]
+    if args.threads is not None and args.threads < 1:
+        raise SpeculorError("--threads must be >= 1")
+    if args.peer:  # found before our rounds, started after them
+        binary, gguf = peer_server.find_binary(args.llama_server), peer_server.target_gguf(args.gguf)
+    texts = [p.text for p in prompts.load(args.sets.split(","), args.limit)]
+    kw = dict(requests=args.requests, max_tokens=args.max_tokens)
+    rows, ours = loadtest.series(args.url, texts, clients, args.strategy, reference=args.reference or bool(args.peer),
+                                 **kw)
+    if args.peer:
+        threads = args.threads or os.cpu_count() or 1
+        log = Path(args.out).with_suffix(".llama-server.log") if args.out else None
+        peer_rows, theirs = peer_server.rounds(args.peer, binary, gguf, texts, clients, threads=threads, log=log, **kw)
+        rows = loadtest.versus(rows, peer_rows)
+        same, asked = loadtest.same_answers(ours, theirs)
+        print(f"one-client answers equal between speculor and {args.peer}: {same} of {asked} prompts "
+              f"({gguf.name}, {threads} threads)", file=sys.stderr)
     print(loadtest.format_rows(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
@@ -383,13 +394,7 @@ def cmd_profile(args: Args) -> None:
 
 
 def _profile_one(args: Args, backend: str) -> None:
-    from dataclasses import replace
-
-    from speculor.bench.host import host_line
-    from speculor.config import SamplingConfig
-    from speculor.core.sequoia_dp import level_widths
-    from speculor.drafters.sequoia import SequoiaOptions, plan_tree, resolve_acc
-    from speculor.runtime.choice import predicted
+    from speculor.bench.cost_report import report
     from speculor.runtime.cost import CostModel, cost_path, profile_cost
 
     args.backend = backend
@@ -397,24 +402,4 @@ def _profile_one(args: Args, backend: str) -> None:
     path = cost_path(pair)
     if args.force or not path.exists():
         profile_cost(pair, repeats=args.repeats).save(path)
-    cost = CostModel.load(path)
-    t1 = cost.t_target(1)
-    print(f"backend {pair.backend}: cost model {path}\n  n   target_s  t(n)/t(1)  draft_s  d(n)/d(1)")
-    for n in range(1, 17):
-        t, d = cost.t_target(n), cost.t_draft(n)
-        print(f"{n:4d}  {t:8.3f}  {t / t1:8.2f}  {d:8.3f}  {d / max(cost.t_draft(1), 1e-12):8.2f}")
-    ceiling = max(n * t1 / cost.t_target(n) for n in range(1, 17))
-    print(f"{host_line(pair, t1)}\nceiling: a free drafter always right gives at most {ceiling:.2f}x plain decoding "
-          f"({1 / t1:.2f} tokens/s plain)")
-    opts = SequoiaOptions("auto", args.depth, args.width)
-    for temp in (float(t) for t in args.temperatures.split(",")):
-        acc, source = resolve_acc(None, pair.target_name, pair.draft_name, SamplingConfig(temperature=temp))
-        free = predicted(replace(cost, draft_s=tuple(0.0 for _ in cost.draft_s)), acc[0])
-        rate, k = predicted(cost, acc[0])
-        print(f"T={temp:g} (acc: {source}): a free chain drafter with top-1 acceptance {acc[0]:.2f}: at most "
-              f"{free[0] * t1:.2f}x (k={free[1]}); this draft's chain: {rate * t1:.2f}x (k={k})")
-        c = plan_tree(acc, opts, cost)[2]
-        print(f"  sequoia: n = {c.n} nodes with the root, {c.d} levels, widths "
-              f"{level_widths(c.shape)}, F = {c.expected_tokens:.2f} tokens/step, {c.step_s:.3f} s/step, "
-              f"{c.tokens_per_s:.2f} tokens/s predicted (plain {1 / t1:.2f})")
-        print(f"    shape = {list(c.shape)}")
+    report(pair, CostModel.load(path), path, [float(t) for t in args.temperatures.split(",")], args.depth, args.width)

@@ -5,6 +5,10 @@ prompt per request from the MT-Bench/HumanEval sets) and we record per request t
 chunk (TTFT), the whole latency, the completion tokens and the server's tau (`usage`). Throughput is all
 completion tokens ÷ the wall time of the round. The server runs one generation at a time per model pair, so
 latency grows with c while throughput stays about that of one stream: the numbers say how far.
+
+With a peer (`--peer llama-server`, bench/peer_server.py), the same rounds then run against the peer's OpenAI
+endpoint (no `speculative` field), its rows tagged with its name, and each of our rows gets its tokens/s ÷ the
+peer's at the same client count.
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ async def _round(url: str, prompts: list[str], clients: int, requests: int, max_
                  speculative: dict[str, Any] | None,
                  timeout: float) -> tuple[list[tuple[str, Result]], float]:
     """(prompt, result) of every request of a round, client by client, and the round's wall time."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    # a connection per request: llama-server closes kept-alive ones at its own pace, racing the next request
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         async def one_client(c: int) -> list[tuple[str, Result]]:
             asked = [prompts[(c * requests + r) % len(prompts)] for r in range(requests)]
             return [(p, await stream_chat(client, url, p, max_tokens, speculative)) for p in asked]
@@ -143,38 +148,82 @@ def run(url: str, prompts: list[str], concurrencies: list[int], *, requests: int
     return rows
 
 
+def series(url: str, prompts: list[str], concurrencies: list[int], strategies: str | None, *, requests: int,
+           max_tokens: int, reference: bool) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """`run` once per comma-separated strategy (None: the server's default), rows tagged with it; and the first
+    series' first answer to each prompt."""
+    rows: list[dict[str, Any]] = []
+    first: dict[str, str] = {}
+    for i, name in enumerate(strategies.split(",") if strategies else [None]):
+        spec = {"strategy": name} if name else None
+        rows += [r | {"strategy": name} for r in run(url, prompts, concurrencies, requests=requests,
+                                                     max_tokens=max_tokens, speculative=spec, reference=reference,
+                                                     answers=None if i else first)]
+    return rows, first
+
+
+def label(row: dict[str, Any]) -> str:
+    """A row's series: the peer server's name, else the requests' strategy, else the server's default."""
+    return row.get("peer") or row.get("strategy") or "server default"
+
+
+def versus(rows: list[dict[str, Any]], peer_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows`, each with `vs_peer`: its tokens/s ÷ the peer's at the same client count (the one-by-one round with
+    the peer's one-by-one round), then `peer_rows`."""
+    theirs = {(r["clients"], bool(r.get("reference"))): r["throughput_tokens_per_s"] for r in peer_rows}
+    out = []
+    for r in rows:
+        t = theirs.get((r["clients"], bool(r.get("reference"))))
+        out.append(r | {"vs_peer": r["throughput_tokens_per_s"] / t} if t else r)
+    return out + peer_rows
+
+
+def same_answers(ours: dict[str, str], theirs: dict[str, str]) -> tuple[int, int]:
+    """How many prompts asked of both got the same answer from both, and how many were asked of both."""
+    both = ours.keys() & theirs.keys()
+    return sum(ours[p] == theirs[p] for p in both), len(both)
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    lines = ["| strategy | clients | requests | tokens | wall s | tokens/s | TTFT p50 / p99 s | TPOT p50 / p99 s "
-             "| latency p50 / max s | tau | answers differing |", "|" + "---|" * 11]
+    """A markdown table, one row per round; with peer rows, the server column and our tokens/s ÷ the peer's."""
+    peer = next((r["peer"] for r in rows if r.get("peer")), None)
+    cols = ["strategy", "clients", "requests", "tokens", "wall s", "tokens/s"] + ([f"÷ {peer}"] if peer else []) + [
+        "TTFT p50 / p99 s", "TPOT p50 / p99 s", "latency p50 / max s", "tau", "same answers"]
+    lines = ["| " + " | ".join(["server"] * bool(peer) + cols) + " |", "|" + "---|" * (len(cols) + bool(peer))]
     for r in rows:
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
         clients = f"{r['clients']} (one by one)" if r.get("reference") else r["clients"]
-        lines.append(f"| {r.get('strategy') or 'server default'} | {clients} | {r['requests']} | {r['tokens']} "
-                     f"| {r['wall_s']:.1f} | {r['throughput_tokens_per_s']:.2f} "
-                     f"| {r['ttft_median_s']:.2f} / {r['ttft_p99_s']:.2f} "
-                     f"| {r['tpot_median_s']:.3f} / {r['tpot_p99_s']:.3f} "
-                     f"| {r['latency_median_s']:.1f} / {r['latency_max_s']:.1f} | {tau} | {r['answers_differing']} |")
+        same = "-" if r.get("reference") else f"{r['requests'] - r['answers_differing']} / {r['requests']}"
+        cells = ([r.get("peer") or "speculor"] if peer else []) + [
+            r.get("strategy") or ("-" if r.get("peer") else "server default"), clients, r["requests"], r["tokens"],
+            f"{r['wall_s']:.1f}", f"{r['throughput_tokens_per_s']:.2f}"]
+        if peer:
+            cells.append(f"{r['vs_peer']:.2f}" if r.get("vs_peer") is not None else "-")
+        cells += [f"{r['ttft_median_s']:.2f} / {r['ttft_p99_s']:.2f}",
+                  f"{r['tpot_median_s']:.3f} / {r['tpot_p99_s']:.3f}",
+                  f"{r['latency_median_s']:.1f} / {r['latency_max_s']:.1f}", tau, same]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
 def plot_rows(rows: list[dict[str, Any]], path: Any) -> None:
-    """Throughput, median TTFT and median TPOT against concurrency, one line per strategy (PNG)."""
+    """Throughput, median TTFT and median TPOT against concurrency, one line per strategy or peer (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for name in dict.fromkeys(r.get("strategy") or "server default" for r in rows):
-        mine = [r for r in rows if (r.get("strategy") or "server default") == name and not r.get("reference")]
+    for name in dict.fromkeys(label(r) for r in rows):
+        mine = [r for r in rows if label(r) == name and not r.get("reference")]
         xs = [r["clients"] for r in mine]
-        for ax, key, label in zip(axes, ("throughput_tokens_per_s", "ttft_median_s", "tpot_median_s"),
+        for ax, key, ylabel in zip(axes, ("throughput_tokens_per_s", "ttft_median_s", "tpot_median_s"),
                                   ("tokens/s (all requests)", "TTFT median (s)", "time per output token, median (s)"),
                                   strict=True):
             ax.plot(xs, [r[key] for r in mine], "o-", label=name)
-            ax.set(xlabel="concurrent clients", ylabel=label, xscale="log", xticks=xs, xticklabels=xs)
+            ax.set(xlabel="concurrent clients", ylabel=ylabel, xscale="log", xticks=xs, xticklabels=xs)
     axes[0].legend(fontsize=8)
-    fig.suptitle("speculor serve under load")
+    fig.suptitle("speculor serve under load" + (" beside its peer" if any(r.get("peer") for r in rows) else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
