@@ -244,3 +244,20 @@ def test_loadtest_with_the_peer_end_to_end(fake, gguf, tmp_path, monkeypatch, ca
     argv, peer_bodies = _records(tmp_path, peer_port)
     assert argv["argv"][argv["argv"].index("-np") + 1] == "2" and _gone(argv["pid"])
     assert len(peer_bodies) == len(our_bodies) and not any("speculative" in b for b in peer_bodies)
+
+
+def test_series_sends_no_strategy_for_the_servers_default(monkeypatch) -> None:
+    """`--strategy default,plain`: the first series asks nothing of the server (its default), the second plain; the
+    answers kept are the first series'."""
+    asked = []
+
+    def fake_run(url, prompts, concurrencies, *, speculative, answers, **kw):
+        asked.append(speculative)
+        if answers is not None:
+            answers["p"] = "first"
+        return [{"clients": 1}]
+
+    monkeypatch.setattr(loadtest, "run", fake_run)
+    rows, first = loadtest.series("u", ["p"], [1], "default,plain", requests=1, max_tokens=4, reference=False)
+    assert asked == [None, {"strategy": "plain"}]
+    assert [r["strategy"] for r in rows] == ["default", "plain"] and first == {"p": "first"}

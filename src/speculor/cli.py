@@ -180,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--limit", type=int, default=16, help="prompts taken from the sets (mixed in turn)")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--strategy", default=None, help="the requests' speculative strategy, or several comma-separated "
-                    "(one series each; default: the server's)")
+                    "(one series each; `default`: the server's own, the default)")
     lt.add_argument("--reference", action="store_true", help="first ask every prompt alone, one after another: "
                     "every later answer is checked against its one-client answer")
     lt.add_argument("--out", default=None, help="JSON file for the rows (and a PNG plot beside it)")

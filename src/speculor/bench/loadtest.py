@@ -150,12 +150,12 @@ def run(url: str, prompts: list[str], concurrencies: list[int], *, requests: int
 
 def series(url: str, prompts: list[str], concurrencies: list[int], strategies: str | None, *, requests: int,
            max_tokens: int, reference: bool) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """`run` once per comma-separated strategy (None: the server's default), rows tagged with it; and the first
-    series' first answer to each prompt."""
+    """`run` once per comma-separated strategy (None or "default": the server's default), rows tagged with it; and
+    the first series' first answer to each prompt."""
     rows: list[dict[str, Any]] = []
     first: dict[str, str] = {}
     for i, name in enumerate(strategies.split(",") if strategies else [None]):
-        spec = {"strategy": name} if name else None
+        spec = {"strategy": name} if name and name != "default" else None
         rows += [r | {"strategy": name} for r in run(url, prompts, concurrencies, requests=requests,
                                                      max_tokens=max_tokens, speculative=spec, reference=reference,
                                                      answers=None if i else first)]
