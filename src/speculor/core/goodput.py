@@ -10,6 +10,7 @@ A draft token is worth making when the step's rate with it beats the rate withou
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 MARGIN = 1.15  # how much better than plain a draft must be predicted to be alone: the bench's band of model error
@@ -26,6 +27,16 @@ class Costs(Protocol):
 def rate(cost: Costs, tokens: float, rows: int, draft_s: float = 0.0) -> float:
     """Expected tokens per second of a step of `rows` target rows worth `tokens`, after `draft_s` of drafting."""
     return tokens / (draft_s + cost.t_target(rows))
+
+
+def best_prefix(cost: Costs, values: Iterable[float]) -> int:
+    """How many of a best-first list of draft tokens to verify, each worth `values[i]` expected tokens (its chance of
+    acceptance): the n with the highest rate (1 + Σ_{i<n} v_i) / t_target(n + 1), 0 = none (ties: the longer)."""
+    best, tokens = (1.0 / cost.t_target(1), 0), 1.0
+    for n, v in enumerate(values, 1):
+        tokens += v
+        best = max(best, (tokens / cost.t_target(n + 1), n))
+    return best[1]
 
 
 def chain_can_pay(cost: Costs, depth: int, margin: float) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from speculor.config import SamplingConfig, check_int
-from speculor.core.goodput import Costs
+from speculor.core.goodput import Costs, best_prefix
 from speculor.core.tree import DraftTree, merge
 from speculor.core.verify import Verdict
 from speculor.drafters.base import Drafter, Proposal
@@ -79,11 +79,7 @@ class NgramDrafter(Drafter):
     def _best_cut(self, longest: int) -> int:
         """The continuation length with the best expected rate (module docstring), 0 = none."""
         a = (self.accepted[self.m] + PRIOR[0]) / (self.reached[self.m] + sum(PRIOR))
-        best, tokens = (1 / self.cost.t_target(1), 0), 1.0
-        for j in range(1, longest + 1):
-            tokens += a**j
-            best = max(best, (tokens / self.cost.t_target(j + 1), j))
-        return best[1]
+        return best_prefix(self.cost, (a**j for j in range(1, longest + 1)))
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.cost is None:

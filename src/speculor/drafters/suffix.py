@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
-from speculor.core.goodput import Costs
+from speculor.core.goodput import Costs, best_prefix
 from speculor.core.suffix import NOTHING, Candidate, SuffixCache, SuffixTrie
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
@@ -129,11 +129,7 @@ class SuffixDrafter(Drafter):
 
     def _cut(self, values: list[float]) -> int:
         """The number of best-first nodes with the highest expected rate (module docstring), 0 = none."""
-        best, tokens = (1.0 / self.cost.t_target(1), 0), 1.0
-        for n, v in enumerate(values, 1):
-            tokens += v
-            best = max(best, (tokens / self.cost.t_target(n + 1), n))
-        return best[1]
+        return best_prefix(self.cost, values)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.candidate.tokens and self.cost is not None:
