@@ -154,10 +154,7 @@ class LlamaModel:
         to be touched during a decode, which other threads may run into while ctypes has the GIL released."""
         while self.dead:
             base, extra = self.dead.pop()
-            ids = [base, *extra]
-            for s in ids:
-                self.forget(s, -1)
-            self.free_ids.extend(ids)
+            self.drop([base, *extra])
             self.live -= 1
             if self.live == 0 and not self.prompts:  # (with prompts kept, holes below them: compaction frees)
                 self.bury_none()
@@ -188,6 +185,12 @@ class LlamaModel:
         self.L.llama_memory_seq_cp(self.mem, s, GRAVE, p0, -1)
         self.L.llama_memory_seq_rm(self.mem, s, p0, -1)
 
+    def drop(self, ids: list[int]) -> None:
+        """Forget every cell of these ids (to the graveyard) and give the ids back to the pool."""
+        for s in ids:
+            self.forget(s, -1)
+        self.free_ids.extend(ids)
+
     def bury_none(self) -> bool:
         """Free the graveyard's cells; whether it held any."""
         had = self.L.llama_memory_seq_pos_max(self.mem, GRAVE) >= 0
@@ -201,9 +204,7 @@ class LlamaModel:
         if key in self.prompts or not tokens or len(self.free_ids) < MAX_SEQ // 2:  # ids for requests first
             return
         if len(self.prompts) >= MAX_PROMPTS:
-            old = self.prompts.pop(next(iter(self.prompts)))
-            self.forget(old, -1)
-            self.free_ids.append(old)
+            self.drop([self.prompts.pop(next(iter(self.prompts)))])
         s = self.seq_id()
         self.L.llama_memory_seq_cp(self.mem, cache.base, s, 0, len(tokens))
         self.prompts[key] = s
@@ -244,9 +245,7 @@ class LlamaModel:
                 b.cache.trim(b.cache.length)
         if any(c.parents for c in self.caches):
             return
-        for s in self.prompts.values():
-            self.forget(s, -1)
-            self.free_ids.append(s)
+        self.drop(list(self.prompts.values()))
         self.prompts.clear()
         L, states = self.L, []
         for c in self.caches:

@@ -59,9 +59,7 @@ class LlamaCache:
         chain = self.parents[:keep] == list(range(-1, keep - 1)) and set(self.own[:keep]) <= {self.base}
         assert chain, "only a chain's pending rows are partly kept"
         self.model.forget(self.base, n)
-        for s in self.extra:
-            self.model.forget(s, -1)
-        self.model.free_ids.extend(self.extra)
+        self.model.drop(self.extra)
         self.extra.clear()
         del self.parents[keep:], self.depth[keep:], self.own[keep:]
         self.length = min(self.length, n)
