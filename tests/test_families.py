@@ -19,6 +19,7 @@ from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.runtime import model as model_module
+from speculor.runtime.backend import Block
 from speculor.runtime.layers import layer_windows
 
 N = 5 * WINDOW  # tokens decoded: well past the sliding window
@@ -74,6 +75,43 @@ def test_a_batch_of_mixed_strategies_equals_each_alone(family):
     assert run_batch(model, ngram + makers[:1], PROMPTS[::-1], cfgs[::-1]) == [
         [t.id for t in engine.stream(model, make(), p, c)] for make, p, c in zip(ngram + makers[:1], PROMPTS[::-1],
                                                                                   cfgs[::-1], strict=True)]
+
+
+def test_the_forward_gives_the_models_own_logits(family):
+    """Every row of a block, a prompt and a tree beside it, has the logits the model's own forward gives at the end
+    of that row's path, to fp32 rounding: a difference in the forward path (not rounding) shows here before it
+    flips an argmax."""
+    _, target, _ = family
+    prompt = PROMPTS[0]
+    n = len(prompt)
+    tree = [(20, n - 1), (21, n - 1), (22, n), (23, n + 2)]  # (token, parent row): two branches, one of depth 3
+    parents = list(range(-1, n - 1)) + [p for _, p in tree]
+    model = Model(target)
+    got = model.forward([Block(model.new_cache(), prompt + [t for t, _ in tree], torch.tensor(parents))])[0]
+    tokens = prompt + [t for t, _ in tree]
+    for row in range(len(tokens)):
+        path, at = [], row
+        while at >= 0:
+            path.append(tokens[at])
+            at = parents[at]
+        want = target(torch.tensor([path[::-1]])).logits[0, -1]
+        assert torch.allclose(got[row], want, atol=1e-4, rtol=0), f"row {row}: {(got[row] - want).abs().max()}"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_equals_its_own_generate_over_seeds(name, seed):
+    """An expert router's top-k is discontinuous: a path that computes a row otherwise than the model's own forward
+    shows as a different expert, then a different token. Several seeds, the size of a reported Mixtral case
+    (vocab 256, hidden 64, 2 layers, 4 experts, top 2, prompt 5..21, 24 tokens)."""
+    target = family_model(name, seed, layers=2, hidden=64, vocab=256)
+    target.generation_config.eos_token_id = None
+    prompt = list(range(5, 22))
+    want = own_generate(target, prompt, 24)
+    model = Model(target)
+    for drafter in (None, ChainDrafter(Model(perturbed(target, 0.1, seed=seed)), 3)):
+        assert [t.id for t in engine.stream(model, drafter, prompt,
+                                            SamplingConfig(temperature=0, max_new_tokens=24))] == want
 
 
 @pytest.mark.parametrize("kind, layer_types", [("mamba", None), ("qwen3_next", None),
