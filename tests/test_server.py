@@ -518,3 +518,33 @@ def test_jobs_wait_for_room_in_a_shared_memory(pair: Pair, monkeypatch) -> None:
     count = steps[("speculor_batch_size_count", ())]
     assert steps[("speculor_batch_size_bucket", (("le", "2.0"),))] == count
     assert steps[("speculor_batch_size_bucket", (("le", "1.0"),))] < count  # two did run together
+
+
+def test_a_requests_strategy_is_built_off_the_event_loop_between_steps(pair: Pair) -> None:
+    """Building a strategy may run forwards (an auto budget timing a head): never on the event loop, never beside
+    the worker's forwards on the same models (llama.cpp's shared context). Every build, the request's check and the
+    worker's admission alike, runs outside any event loop with the scheduler's model lock held."""
+    import asyncio
+
+    app = create_app(pair, strategy="chain", queue_size=8)
+    srv = app.state.server
+    seen, build = [], srv.sp.strategy_for
+
+    def recording(name: str, **options):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        seen.append((name, on_loop, srv.scheduler._models.locked()))
+        return build(name, **options)
+
+    srv.sp.strategy_for = recording
+    with live_server(app) as base, httpx.Client(base_url=base, timeout=60) as http:
+        for spec in ({"strategy": "chain", "k": 2}, {"strategy": "ngram"}, {"k": 3}):
+            r = http.post("/v1/completions", json={"prompt": TEXTS[0], "max_tokens": 4, "temperature": 0,
+                                                   "speculative": spec})
+            assert r.status_code == 200, r.text
+        assert http.post("/v1/completions", json={"prompt": "hi", "speculative": {"k": 0}}).status_code == 400
+    assert {name for name, _, _ in seen} >= {"chain", "ngram"}
+    assert all(not on_loop and locked for _, on_loop, locked in seen), seen

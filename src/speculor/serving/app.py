@@ -69,7 +69,6 @@ from speculor.serving.schemas import (
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
-    SpeculativeOptions,
 )
 
 logger = logging.getLogger("speculor.serving.app")
@@ -143,8 +142,8 @@ class _Server:
         return ids
 
     def make_jobs(self, req: GenerationRequest, ids: list[int], max_tokens: int | None, param: str) -> list[Job]:
-        """Validate the request's fields, sampling, context and strategy; one Job per choice (`n`, choice i seeded
-        with seed + i). Raises APIError 400."""
+        """Validate the request's fields, sampling and context; one Job per choice (`n`, choice i seeded with
+        seed + i), with the request's strategy as it names it (checked by `check_strategy`). Raises APIError 400."""
         for name in UNSUPPORTED:
             if getattr(req, name, None) is not None:
                 raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_field")
@@ -172,22 +171,21 @@ class _Server:
             engine.check_prompt(ids, cfg, self.sp.pair.target)
         except SpeculorError as exc:
             raise bad_request(exc) from exc
-        strategy, options = self._strategy(req.speculative)
+        spec = req.speculative
+        strategy, options = (None, {}) if spec is None else (spec.strategy, dict(spec.model_extra or {}))
         loop = asyncio.get_running_loop()
         seeds = [None if cfg.seed is None else (cfg.seed + i) % 2**64 for i in range(req.n)]
         return [Job(ids, replace(cfg, seed=seed), strategy, options, loop) for seed in seeds]
 
-    def _strategy(self, spec: SpeculativeOptions | None) -> tuple[str | None, dict[str, Any]]:
-        """(strategy or None for the server's, options) of a request, checked by building its shared part."""
-        if spec is None:
-            return None, {}
-        options = dict(spec.model_extra or {})
+    async def check_strategy(self, job: Job) -> None:
+        """A request's strategy checked by building its shared part (once per strategy and options), in the
+        scheduler's turn with the models, off the event loop. Raises APIError 400."""
+        if job.strategy is None and not job.options:
+            return
         try:
-            name, merged = self.sp.options_for(spec.strategy, options)
-            self.sp.strategy_for(name, **merged)
+            await self.scheduler.build(*self.sp.options_for(job.strategy, job.options))
         except SpeculorError as exc:
             raise bad_request(exc, "speculative") from exc
-        return spec.strategy, options
 
     async def answer(self, req: GenerationRequest, chat: bool, request: Request | None = None) -> Answer:
         """Validate a request and queue its jobs (429 if full); the whole response body once done, or its `Stream`.
@@ -198,6 +196,7 @@ class _Server:
         else:
             ids, max_tokens, param = self.encode_prompt(req.prompt), req.max_tokens, "prompt"
         jobs = self.make_jobs(req, ids, max_tokens, param)
+        await self.check_strategy(jobs[0])
         for i, job in enumerate(jobs):
             try:
                 self.scheduler.submit(job)

@@ -10,6 +10,8 @@ run one batched step over the running jobs, hand each job its new text (`Delta`)
 (EOS, length, a stop string: `Done`) or whose client left (`cancel`, checked before admission and after every
 step: `Done("cancelled")`). Each job keeps its own strategy, options, sampling settings and seed; its output is
 what it would be alone (docs/algorithms.md §11). The worker never raises; the event loop never runs the model.
+One lock guards the pair's models: the worker holds it for an admission or a step, and `build` (a request's strategy,
+whose shared part may run forwards: an auto budget timing a head) holds it in a thread of its own, between steps.
 Outcomes, tokens, tau, batch sizes, rows per step and accepted lengths go to `Metrics`; each generation is
 logged on the "speculor.serving.app" logger when it is admitted and when it ends.
 """
@@ -117,6 +119,7 @@ class Scheduler:
         self.running: list[_Running] = []
         self.starting: Job | None = None  # the job whose prefill runs now
         self._held: Job | None = None  # the oldest waiting job, taken from the queue, waiting for memory
+        self._models = threading.Lock()  # the pair's models: one admission, step or strategy build at a time
         metrics.queue_depth.set_function(self.depth)
         metrics.running.set_function(self.size)
 
@@ -141,6 +144,16 @@ class Scheduler:
         except queue.Full:
             raise APIError(429, f"the server is busy: {self.queue_size} requests are already waiting; retry "
                            "later", type="rate_limit_error", code="queue_full") from None
+
+    async def build(self, name: str, options: dict[str, Any]) -> None:
+        """Build strategy `name`'s shared part with `options` (cached by `sp`; SpeculorError if invalid) off the
+        event loop, between the worker's steps: never beside a forward on the same models."""
+
+        def locked() -> None:
+            with self._models:
+                self.sp.strategy_for(name, **options)
+
+        await asyncio.to_thread(locked)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel the running jobs, fail the waiting ones (503) and end the worker thread."""
@@ -173,9 +186,11 @@ class Scheduler:
         while not (self._stopping and not self.running):
             job = self._next_job()
             if job is not None:
-                self._admit(job)
+                with self._models:
+                    self._admit(job)
             if self.running:
-                self._step()
+                with self._models:
+                    self._step()
 
     def _next_job(self) -> Job | None:
         """The oldest waiting job if the batch has room (waits for one when nothing runs); None otherwise."""
