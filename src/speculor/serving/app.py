@@ -26,12 +26,14 @@ Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`
 (a `SpeculorError` from the library included), 404/405 for unknown routes, 429 when the queue is full,
 500 (with no details) only for a server bug.
 
-Concurrency: every generation has its own KV caches (the models hold weights only), and one generation
-runs at a time per pair. Requests become jobs in a FIFO queue served by one worker thread (the event
-loop never runs the model); `queue_size` bounds the jobs waiting behind the running one, and a request
-that finds the queue full gets 429 at once. The worker checks a job's cancel flag after every token: a
-streaming client that disconnects (or a non-streaming one that hangs up) stops its generation at the
-next token, and the worker moves on to the next job.
+Concurrency: every generation has its own KV caches (the models hold weights only). Requests become jobs in a
+FIFO queue served by one worker thread that decodes up to `max_batch` of them together, letting jobs join and
+leave between steps (continuous batching, serving/scheduler.py); the event loop never runs the model, and a
+request's strategy is built in a thread of its own between the worker's steps. `queue_size` bounds the jobs
+waiting for a place in the batch, and a request that finds the queue full gets 429 at once. A job's cancel flag is
+checked after every step: a streaming client that disconnects (or a non-streaming one that hangs up) leaves the
+batch at the next step. Each greedy or seeded request gets the tokens it would get alone, whatever shares its batch
+(docs/algorithms.md §11).
 
 This module is the app itself: the endpoints (`build_app`, over a `Service`) and the engine side they call in this
 process (`_Server`, made by `make_server`). The parts live beside it: `schemas` (request bodies), `errors`
