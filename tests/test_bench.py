@@ -220,3 +220,19 @@ def test_quick_keeps_only_the_peers_that_run_beside_the_pair(pair, tmp_path, mon
     assert "transformers" in peers.unfit(on_llama, "hf-assisted")
     assert peers.unfit(on_llama, "llama.cpp") == ("" if llama.available() else "llama-cpp-python is not installed")
     assert peers.unfit(SimpleNamespace(backend="torch", target_name="/m/t.gguf"), "hf-assisted") == ""
+
+
+@pytest.mark.parametrize("batch", [None, "2"])
+def test_every_round_starts_without_the_answers_of_the_last(pair, tmp_path, monkeypatch, batch) -> None:
+    """suffix's shared trie would otherwise hand round 2 round 1's answers to copy: greedy rounds must draft and
+    accept alike, prompt by prompt (what a fresh server would do); within a round the trie fills as it does live."""
+    prompts = [Prompt(f"p/{i}", "mtbench", "writing", TEXTS[i % len(TEXTS)], True) for i in range(2)]
+    monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: prompts[:limit])
+    extra = ("--batch", batch) if batch else ()
+    args = bench_config("--strategies", "plain,suffix:budget=8", "--limit", "2", "--max-new-tokens", "16",
+                        "--rounds", "2", "--out", str(tmp_path), *extra)
+    bench.run(args, lambda: pair)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    mine = [r for r in records if r["strategy"] == "suffix:budget=8" and r.get("batch", 2) == 2]
+    by = {(r["prompt_id"], r["round"]): r["accepted"] for r in mine}
+    assert len(by) == 4 and all(by[p, 0] == by[p, 1] for p in ("p/0", "p/1")), by

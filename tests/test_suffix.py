@@ -196,13 +196,15 @@ def test_greedy_equals_plain_greedy(target, budget):
 
 
 def law_counts(target, m: int, cfg: SamplingConfig, seed0: int) -> tuple[torch.Tensor, int, int]:
-    """Counts [V]*N of the first N tokens after REPETITIVE over m seeded runs of one drafter (its shared trie
-    filling with the runs' outputs), the draft tokens accepted, and the steps drafted by the shared trie."""
+    """Counts [V]*N of the first N tokens after REPETITIVE over m unseeded runs (torch's global generator, seeded
+    once) of one drafter, its shared trie filling with the runs' outputs (a seeded request would read its own trie
+    only), the draft tokens accepted, and the steps drafted by the shared trie."""
     t_model, drafter = Model(target), SuffixStrategy(SuffixOptions(budget=8, min_prob=0.05)).drafter()
     counts, accepted, shared = torch.zeros([V] * N, dtype=torch.float64), 0, 0
-    for i in range(m):
+    torch.manual_seed(seed0)
+    for _ in range(m):
         stats = engine.Stats()
-        run_cfg = replace(cfg, max_new_tokens=N, seed=seed0 + i)
+        run_cfg = replace(cfg, max_new_tokens=N, seed=None)
         counts[tuple(t.id for t in engine.stream(t_model, drafter, REPETITIVE, run_cfg, stats=stats))] += 1
         accepted += sum(s.accepted for s in stats.steps)
         shared += sum(s.drafter_stats["shared"] for s in stats.steps)
@@ -247,6 +249,41 @@ def test_the_shared_trie_helps_a_request_that_repeats_an_earlier_output():
         assert (strategy.cache is not None) == shared
     assert got[False] == (0, 32)  # alone: nothing to copy from
     assert got[True][0] >= 24 and got[True][1] <= 8, got  # the first request's output, drafted whole
+
+
+def test_a_seeded_request_gets_its_tokens_whatever_the_shared_trie_holds():
+    """What other requests wrote must not move a seed's draws: a seeded sampled request reads its own trie only
+    (greedy and unseeded ones read both). Its answer after the same prompt's answers filled the shared trie equals
+    its answer on an empty one; without the rule (a drafter that always reads the shared trie) it does not."""
+    target = random_toy(64, seed=2, scale=0.5)
+    prompt, cfg = [0, 1], SamplingConfig(temperature=0.8, seed=11, max_new_tokens=32)
+    alone, _ = run(target, SuffixStrategy(SuffixOptions()).drafter(), prompt, cfg)
+    for reads_shared in (False, True):
+        strategy = SuffixStrategy(SuffixOptions())
+        for seed in range(4):  # others' answers: the same prompt, other seeds, and greedy
+            run(target, strategy.drafter(), prompt, replace(cfg, seed=100 + seed))
+        run(target, strategy.drafter(), prompt, SamplingConfig(max_new_tokens=32))
+        drafter = strategy.drafter()
+        if reads_shared:  # negative control: the seed's draws meet the shared trie's drafts
+            drafter.propose = lambda seq, c, g, propose=drafter.propose: propose(seq, replace(c, seed=None), g)
+        out, stats = run(target, drafter, prompt, cfg)
+        shared = sum(s.drafter_stats["shared"] for s in stats.steps)
+        if reads_shared:
+            assert shared > 0 and out != alone, "the control did not draft from the shared trie, or changed nothing"
+        else:
+            assert shared == 0 and out == alone
+
+
+def test_forget_empties_the_shared_trie():
+    target = random_toy(64, seed=2, scale=0.5)
+    strategy = make_strategy("suffix", Pair(Model(target), None, None), budget=16)
+    prompt, cfg = [0, 1], SamplingConfig(max_new_tokens=32)
+    run(target, strategy.drafter(), prompt, cfg)
+    assert strategy.cache.tokens == 32
+    strategy.forget()
+    assert strategy.cache.tokens == 0 and strategy.cache.sequences() == {}
+    _, stats = run(target, strategy.drafter(), prompt, cfg)  # nothing of the first answer is left to copy
+    assert sum(s.accepted for s in stats.steps) == 0 and strategy.cache.tokens == 32
 
 
 def test_the_last_step_of_a_request_reaches_the_shared_trie():

@@ -76,6 +76,13 @@ class Speculor:
             self._strategies[key] = make_strategy(name, self.pair, **options)
         return self._strategies[key]
 
+    def forget(self) -> None:
+        """Empty what the strategies built so far learned across requests (suffix's trie of outputs): the calls that
+        follow start as on a fresh pair (a bench round)."""
+        for strategy in self._strategies.values():
+            if hasattr(strategy, "forget"):
+                strategy.forget()
+
     def options_for(self, strategy: str | None, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """(name, options) of a call: the named strategy with the given options, or the default one with its
         options overridden by the given ones."""

@@ -38,6 +38,7 @@ def run_batched(sp: Speculor, specs: list[Spec], prompts: list[Prompt], encoded:
     shared = {spec.label: sp.strategy_for(spec.name, **spec.options) for spec in specs}
     for rnd in range(rounds):
         for b in sizes:
+            sp.forget()  # each round and batch size starts as a fresh server: no earlier answers remembered
             for g in range(0, len(prompts), b):
                 k = (g // b + rnd) % len(specs)
                 idx = list(range(g, min(g + b, len(prompts))))

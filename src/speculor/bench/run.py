@@ -144,6 +144,7 @@ def _run_rounds(sp: Speculor, cfg: BenchConfig, prompts: list, encoded: list[lis
         partial.write_text("")
     bar = tqdm(total=cfg.rounds * len(temps) * len(prompts) * len(specs), desc="bench", unit="gen")
     for rnd in range(cfg.rounds):
+        sp.forget()  # a round starts as a fresh server: no strategy remembers an earlier round's answers
         rng = random.Random(cfg.seed + rnd)
         for temp in temps:
             for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):

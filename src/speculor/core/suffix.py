@@ -229,6 +229,14 @@ class SuffixCache:
         with self._lock:
             return self.trie.propose(context, budget, min_prob)
 
+    def clear(self) -> None:
+        """Forget every sequence (a running one's later tokens start it again)."""
+        with self._lock:
+            self.trie = SuffixTrie(self.trie.max_depth)
+            self.tokens = 0
+            self._seqs.clear()
+            self._full.clear()
+
     def sequences(self) -> dict[int, list[int]]:
         """A copy of the sequences kept, oldest first."""
         with self._lock:

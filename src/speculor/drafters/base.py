@@ -81,7 +81,8 @@ class BatchAware(Drafter):
 
 
 class Strategy(Protocol):
-    """What a strategy shares across requests (module docstring); read-only while decoding."""
+    """What a strategy shares across requests (module docstring); read-only while decoding, except what a strategy
+    learns from the requests' outputs (suffix's trie), which it empties on `forget()` where it has one."""
 
     def drafter(self) -> Drafter: ...
 

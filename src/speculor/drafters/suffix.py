@@ -4,9 +4,11 @@ suffix tries (core/suffix.py) of the request's own tokens and of earlier request
 Each step both tries are matched against the sequence's tail: the request's own (prompt and output so far) and, with
 `shared`, the strategy's `SuffixCache` of outputs (those of earlier requests and the running ones' so far). The one
 with the longer match drafts, the request's own on a tie (match length first, then frequency: the counts rank the
-continuations). Its tree is the continuations best-first by their empirical path probability P(u), every node a
-point mass on its token: verified with the point-mass rule (greedy matching at T = 0), exact whatever chose the
-tokens (§2). No match followed by anything: the empty tree, a plain step.
+continuations). A seeded sampled request reads its own trie only: what others wrote would change which uniforms its
+draws meet, and a seed gives the same tokens alone and in any batch or order of requests (README, the server). Its
+tree is the continuations best-first by their empirical path probability P(u), every node a point mass on its token:
+verified with the point-mass rule (greedy matching at T = 0), exact whatever chose the tokens (§2). No match
+followed by anything: the empty tree, a plain step.
 
 Tree size:
     budget = k      the best k nodes with P >= min_prob (fewer where fewer are that likely)
@@ -86,6 +88,11 @@ class SuffixStrategy:
     def drafter(self) -> SuffixDrafter:
         return SuffixDrafter(self.opts, self.cache, self.cost)
 
+    def forget(self) -> None:
+        """Empty the trie of outputs: what follows starts as a fresh server would (a bench round)."""
+        if self.cache is not None:
+            self.cache.clear()
+
 
 class SuffixDrafter(Drafter):
     """One request's drafter (module docstring). After `propose`: `candidate` = the tree drafted (its P's),
@@ -110,7 +117,8 @@ class SuffixDrafter(Drafter):
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         self._index(seq[self.known:], output=self.known > 0)
         own = self.trie.propose(seq, self.opts.cap, self.opts.min_prob)
-        other = self.cache.propose(seq, self.opts.cap, self.opts.min_prob) if self.cache is not None else NOTHING
+        alone = cfg.seed is not None and not cfg.greedy  # module docstring
+        other = NOTHING if self.cache is None or alone else self.cache.propose(seq, self.opts.cap, self.opts.min_prob)
         best = other if other.match > own.match else own
         values = [min(1.0, self.trust * p) for p in best.probs] if self.cost is not None else best.probs
         n = self._cut(values) if self.cost is not None else len(values)
