@@ -236,3 +236,15 @@ def test_every_round_starts_without_the_answers_of_the_last(pair, tmp_path, monk
     mine = [r for r in records if r["strategy"] == "suffix:budget=8" and r.get("batch", 2) == 2]
     by = {(r["prompt_id"], r["round"]): r["accepted"] for r in mine}
     assert len(by) == 4 and all(by[p, 0] == by[p, 1] for p in ("p/0", "p/1")), by
+
+
+def test_repeated_work_keeps_a_functions_edits_in_a_row(monkeypatch) -> None:
+    from speculor.bench import prompts
+
+    rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "canonical_solution": "    return x\n"}
+            for i in range(3)]
+    monkeypatch.setattr(prompts, "_humaneval_rows", lambda: rows)
+    got = prompts.load(["repeat-edit"], 5)
+    assert [p.id for p in got] == [f"repeat-edit/HumanEval/{i}/{j}" for i in range(2) for j in range(3)][:5]
+    assert all(p.chat and "def f0(x):\n    return x\n" in p.text for p in got[:3])
+    assert len({p.text.split("\n")[0] for p in got[:3]}) == len(prompts.EDITS)  # each edit once per function

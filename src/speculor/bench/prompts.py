@@ -1,6 +1,8 @@
 """Prompt sets shipped in PyPI packages: MT-Bench (first turns, chat), HumanEval (code completion), a fixed-seed
-sample of ShareGPT first human turns (chat), and two copy-heavy sets made from them (chat): `code-edit` (a
-HumanEval solution to return with one edit) and `summarize` (a long ShareGPT turn to summarize with quotes).
+sample of ShareGPT first human turns (chat), and three copy-heavy sets made from them (chat): `code-edit` (a
+HumanEval solution to return with one edit), `summarize` (a long ShareGPT turn to summarize with quotes) and
+`repeat-edit` (repeated work: one HumanEval solution edited in each of the EDITS ways, the requests of a function
+in a row, where what earlier answers wrote helps the later ones).
 
 `load(sets, limit)` returns prompts spread evenly over the sets and, for MT-Bench, over its categories.
 """
@@ -43,10 +45,13 @@ def _mtbench() -> list[Prompt]:
     return [Prompt(f"mtbench/{r['question_id']}", "mtbench", r["category"], r["turns"][0], True) for r in rows]
 
 
-def _humaneval() -> list[Prompt]:
+def _humaneval_rows() -> list[dict]:
     with package_file(*SOURCES["humaneval"]) as f:
-        rows = [json.loads(line) for line in gzip.decompress(f.read()).decode().splitlines() if line.strip()]
-    return [Prompt(r["task_id"], "humaneval", "code", r["prompt"], False) for r in rows]
+        return [json.loads(line) for line in gzip.decompress(f.read()).decode().splitlines() if line.strip()]
+
+
+def _humaneval() -> list[Prompt]:
+    return [Prompt(r["task_id"], "humaneval", "code", r["prompt"], False) for r in _humaneval_rows()]
 
 
 def sharegpt_records(limit: int | None = None):
@@ -86,14 +91,22 @@ EDITS = ("Add type hints to this Python function and return the whole function, 
          "Add a comment above every line of this function that explains it; return the whole function.")
 
 
+def _edit(edit: str, row: dict) -> str:
+    return f"{edit}\n\n```python\n{row['prompt']}{row['canonical_solution']}```"
+
+
 def _code_edit() -> list[Prompt]:
     """Code editing: a HumanEval task's prompt + canonical solution, to be returned with one edit (the answer
     copies most of its context: where prompt lookup pays)."""
-    with package_file(*SOURCES["humaneval"]) as f:
-        rows = [json.loads(line) for line in gzip.decompress(f.read()).decode().splitlines() if line.strip()]
-    return [Prompt(f"code-edit/{r['task_id']}", "code-edit", "edit",
-                   f"{EDITS[i % len(EDITS)]}\n\n```python\n{r['prompt']}{r['canonical_solution']}```", True)
-            for i, r in enumerate(rows)]
+    return [Prompt(f"code-edit/{r['task_id']}", "code-edit", "edit", _edit(EDITS[i % len(EDITS)], r), True)
+            for i, r in enumerate(_humaneval_rows())]
+
+
+def _repeat_edit() -> list[Prompt]:
+    """Repeated work: each HumanEval solution edited in every EDITS way, a function's requests in a row (one
+    category, so `load` keeps their order): the later answers repeat much of what the earlier ones wrote."""
+    return [Prompt(f"repeat-edit/{r['task_id']}/{j}", "repeat-edit", "edit", _edit(edit, r), True)
+            for r in _humaneval_rows() for j, edit in enumerate(EDITS)]
 
 
 def _summarize() -> list[Prompt]:
@@ -105,7 +118,7 @@ def _summarize() -> list[Prompt]:
 
 
 LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval, "sharegpt": _sharegpt, "code-edit": _code_edit,
-           "summarize": _summarize}
+           "summarize": _summarize, "repeat-edit": _repeat_edit}
 
 
 def _round_robin(groups: list[list[Prompt]]) -> list[Prompt]:
