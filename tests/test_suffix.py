@@ -337,7 +337,7 @@ def test_auto_cuts_to_what_the_curve_pays_and_learns():
 
 
 def test_the_strategy_and_its_options():
-    assert options_of("suffix") == ["budget", "max_depth", "min_prob", "shared", "max_tokens"]
+    assert options_of("suffix") == ["budget", "max_depth", "min_prob", "shared", "max_tokens", "fallback"]
     pair = Pair(None, None, None)
     default = make_strategy("suffix", pair)
     assert default.opts == SuffixOptions() and default.cache is not None and default.cost is None
@@ -356,3 +356,79 @@ def test_the_strategy_and_its_options():
 def test_bad_options_name_the_option(option, value):
     with pytest.raises(SpeculorError, match=option):
         make_strategy("suffix", Pair(None, None, None), **{option: value})
+
+
+# ---------------------------------------------------------------- the hybrid (fallback)
+
+PLAIN_PROMPT = [5, 4, 3, 2]  # no token repeats: the tries match only what the answer repeats
+
+def hybrid(draft, cost=FLAT, **options) -> SuffixStrategy:
+    """suffix with budget 'auto' and DySpec's auto tree on `draft` as its fallback, both on cost curve `cost`."""
+    from functools import partial
+
+    from speculor.drafters.base import Shared
+    from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
+
+    fallback = Shared(partial(DySpecDrafter, Model(draft), DySpecOptions(budget="auto", depth=4), cost))
+    return SuffixStrategy(SuffixOptions(budget="auto", **options), cost, fallback)
+
+
+def test_the_hybrid_is_greedy_identical_and_uses_both(target, draft):
+    """Where the tries draft nothing the draft model's tree is asked; greedy output is plain decoding's either way,
+    and each step is credited to the drafter that proposed it."""
+    strategy = hybrid(draft)
+    seen = Counter()
+    for prompt in ([0], REPETITIVE, [5, 4, 3, 2]):
+        stats = engine.Stats()
+        out = [t.id for t in engine.stream(Model(target), strategy.drafter(), prompt,
+                                           SamplingConfig(max_new_tokens=30), stats=stats)]
+        assert out == plain_greedy(target, prompt, 30), f"prompt {prompt}"
+        for s in stats.steps:
+            by = "fallback" if s.drafter_stats.get("fallback") else "suffix" if s.drafted else "plain"
+            seen[by] += 1
+            assert (s.draft_forwards > 0) <= (by == "fallback")  # only the fallback runs the draft model
+    assert seen["fallback"] > 0 and seen["suffix"] > 0, seen
+
+
+def test_the_hybrids_exact_law(target, draft):
+    """The law of the first N tokens after a prompt whose tries rarely match (the request's own trie only), so that
+    the draft model's trees and the tries' are both verified."""
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=N)
+    t_model, drafter = Model(target), hybrid(draft, shared=False).drafter()
+    counts, fell_back = torch.zeros([V] * N, dtype=torch.float64), 0
+    torch.manual_seed(7)
+    for _ in range(2000):
+        stats = engine.Stats()
+        counts[tuple(t.id for t in engine.stream(t_model, drafter, PLAIN_PROMPT, cfg, stats=stats))] += 1
+        fell_back += sum(bool(s.drafter_stats.get("fallback")) and s.drafted > 0 for s in stats.steps)
+    pvalue, tv, floor = goodness_of_fit(counts, exact_law(target, PLAIN_PROMPT, cfg, N))
+    assert pvalue > 1e-3 and tv < 2 * floor, f"p-value {pvalue:.2e}, TV {tv:.4f}"
+    assert fell_back > 100  # the draft model's trees were verified too
+
+
+def test_the_hybrid_in_a_batch_equals_alone(target, draft):
+    from support.batch import run_batch
+
+    strategy = hybrid(draft)
+    prompts = [REPETITIVE, [0], [5, 4, 3, 2]]
+    cfgs = [SamplingConfig(max_new_tokens=24), SamplingConfig(temperature=0.8, seed=3, max_new_tokens=24),
+            SamplingConfig(max_new_tokens=20)]
+    alone = [[t.id for t in engine.stream(Model(target), strategy.drafter(), p, c)]
+             for p, c in zip(prompts, cfgs, strict=True)]
+    assert run_batch(Model(target), [strategy.drafter] * 3, prompts, cfgs) == alone
+
+
+def test_the_registry_builds_the_fallback(monkeypatch):
+    import speculor.drafters.dyspec as dyspec_module
+    import speculor.drafters.suffix as suffix_module
+
+    monkeypatch.setattr(dyspec_module, "machine_cost", lambda pair: FLAT)
+    monkeypatch.setattr(suffix_module, "machine_cost", lambda pair: FLAT)
+    pair = Pair(Model(random_toy(6, seed=0)), Model(random_toy(6, seed=1)), None)
+    strategy = make_strategy("suffix", pair, budget="auto", fallback="dyspec")
+    assert strategy.fallback is not None and strategy.drafter().fallback is not None
+    assert make_strategy("suffix", pair).fallback is None and "fallback" in options_of("suffix")
+    with pytest.raises(SpeculorError, match="fallback"):
+        make_strategy("suffix", pair, fallback="chain")
+    with pytest.raises(SpeculorError, match="draft model"):
+        make_strategy("suffix", Pair(pair.target, None, None), fallback="dyspec")

@@ -20,6 +20,12 @@ Tree size:
                     trust = (accepted + PRIOR) / (Σ v drafted + PRIOR) over the request's earlier steps, both sums
                     fading by DECAY at each step that drafts nothing: how far the counts over- or under-state what
                     the target accepts (1 until something was verified).
+Hybrid (`fallback`, built by the registry: dyspec or eagle with budget "auto"): a step where the tries draft nothing
+worth its rows asks the fallback, a draft model's or a head's tree sized by the same cost curve, which itself drafts
+only where its predicted rate beats a plain step (and catches up over the tokens it missed only then). Suffix first,
+since its tree costs no forward: per step, the free draft where it pays, else the priced one, else a plain step.
+Exact either way: each tree is verified by the rule of its own draws.
+
 The request's tokens are indexed as the engine commits them (`observe` sees each step's accepted path and its
 recovered/bonus token, the last step's too), its output into the shared cache as well, at once: a running request's
 output already serves the others. No engine hook is needed for a request's end.
@@ -36,7 +42,7 @@ from speculor.core.goodput import Costs, best_prefix
 from speculor.core.suffix import NOTHING, Candidate, SuffixCache, SuffixTrie
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import Drafter, Proposal
+from speculor.drafters.base import BatchAware, Drafter, Proposal, Strategy
 from speculor.errors import SpeculorError
 from speculor.runtime.cost import machine_cost
 from speculor.runtime.loading import Pair
@@ -77,16 +83,18 @@ class SuffixOptions:
 
 
 class SuffixStrategy:
-    """The shared part: options, the machine's cost curve (budget "auto") and the trie of outputs (`shared`)."""
+    """The shared part: options, the machine's cost curve (budget "auto"), the trie of outputs (`shared`) and the
+    fallback strategy (module docstring), if any."""
 
-    def __init__(self, opts: SuffixOptions, cost: Costs | None = None) -> None:
+    def __init__(self, opts: SuffixOptions, cost: Costs | None = None, fallback: Strategy | None = None) -> None:
         if opts.budget == "auto" and cost is None:
             raise SpeculorError("suffix with budget='auto' needs the machine's cost model")
-        self.opts, self.cost = opts, cost
+        self.opts, self.cost, self.fallback = opts, cost, fallback
         self.cache = SuffixCache(opts.max_depth, opts.max_tokens) if opts.shared else None
 
     def drafter(self) -> SuffixDrafter:
-        return SuffixDrafter(self.opts, self.cache, self.cost)
+        return SuffixDrafter(self.opts, self.cache, self.cost,
+                             self.fallback.drafter() if self.fallback is not None else None)
 
     def forget(self) -> None:
         """Empty the trie of outputs: what follows starts as a fresh server would (a bench round)."""
@@ -94,13 +102,15 @@ class SuffixStrategy:
             self.cache.clear()
 
 
-class SuffixDrafter(Drafter):
-    """One request's drafter (module docstring). After `propose`: `candidate` = the tree drafted (its P's),
-    stats = {match, nodes, shared (1 if the shared trie drafted), trust}."""
+class SuffixDrafter(BatchAware):
+    """One request's drafter (module docstring). After `propose`: `candidate` = the tries' tree (its P's), `tokens`
+    = the tokens of the tree proposed (the tries' or the fallback's), stats = {match, nodes, shared (1 if the shared
+    trie drafted), trust, and with a fallback: fallback (1 if it was asked) and the fallback's own stats}."""
 
     def __init__(self, opts: SuffixOptions | None = None, cache: SuffixCache | None = None,
-                 cost: Costs | None = None) -> None:
-        self.opts, self.cache, self.cost = opts or SuffixOptions(), cache, cost
+                 cost: Costs | None = None, fallback: Drafter | None = None) -> None:
+        self.opts, self.cache, self.cost, self.fallback = opts or SuffixOptions(), cache, cost, fallback
+        self.batch_aware = fallback is not None and fallback.batch_aware  # the batch sees the fallback's bids
         self.accepted = self.drafted = 0.0  # the trust's sums (budget "auto")
         self.reset()
 
@@ -108,7 +118,9 @@ class SuffixDrafter(Drafter):
         self.trie = SuffixTrie(self.opts.max_depth)
         self.known = 0  # tokens of the sequence indexed
         self.seq_id = self.cache.open() if self.cache is not None else None
-        self.candidate, self.values = NOTHING, []
+        self.candidate, self.values, self.tokens, self.asked = NOTHING, [], [], False
+        if self.fallback is not None:
+            self.fallback.reset()
 
     @property
     def trust(self) -> float:
@@ -125,26 +137,42 @@ class SuffixDrafter(Drafter):
         if values and n == 0:  # a match not tried: what was learned fades
             self.accepted, self.drafted = self.accepted * DECAY, self.drafted * DECAY
         self.candidate = Candidate(best.tokens[:n], best.parents[:n], best.probs[:n], best.match if n else 0)
-        self.values = values[:n]
-        self.expected_tokens = 1.0 + sum(self.values)
+        self.values, self.tokens = values[:n], list(self.candidate.tokens)
+        self.expected_tokens, self.forwards = 1.0 + sum(self.values), 0
         self.stats = {"match": float(self.candidate.match), "nodes": float(n),
                       "shared": float(n > 0 and best is other), "trust": self.trust}
+        self.asked = n == 0 and self.fallback is not None
+        if self.asked:  # nothing free worth its rows: the priced draft, if it pays (module docstring)
+            return (yield from self._ask_fallback(seq, cfg, generator))
+        self.estimate = (1 + n, self.expected_tokens)
+        if self.ledger is not None:  # a batch-aware fallback's batch: its bids see this tree
+            self.ledger.publish(*self.estimate)
         if n == 0:
             return EMPTY
         return DraftTree(torch.tensor(self.candidate.tokens, dtype=torch.long),
                          torch.tensor(self.candidate.parents, dtype=torch.long), None, "point")
-        yield  # asks for nothing
+
+    def _ask_fallback(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        fb = self.fallback
+        fb.ledger, fb.estimate = self.ledger, self.estimate
+        tree = yield from fb.propose(seq, cfg, generator)
+        self.tokens, self.forwards, self.expected_tokens = tree.tokens.tolist(), fb.forwards, fb.expected_tokens
+        self.estimate = fb.estimate
+        self.stats |= {"fallback": 1.0, **{f"fallback_{k}": v for k, v in (fb.stats or {}).items()}}
+        return tree
 
     def _cut(self, values: list[float]) -> int:
         """The number of best-first nodes with the highest expected rate (module docstring), 0 = none."""
         return best_prefix(self.cost, values)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
-        if self.candidate.tokens and self.cost is not None:
+        if self.asked:
+            self.fallback.observe(n_committed, verdict)
+        elif self.candidate.tokens and self.cost is not None:
             self.accepted += len(verdict.path)
             self.drafted += sum(self.values)
         if n_committed == self.known:  # the step's tokens, now: the last step of a request is never proposed after
-            self._index([self.candidate.tokens[i] for i in verdict.path] + [verdict.token], output=True)
+            self._index([self.tokens[i] for i in verdict.path] + [verdict.token], output=True)
 
     def _index(self, tokens: list[int], output: bool) -> None:
         """Index committed tokens in the request's trie, and an output's in the shared one."""
@@ -168,10 +196,10 @@ def switch(value: object, name: str) -> bool:
 
 
 def make_suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24, min_prob: float = 0.1,
-                shared: bool | str = True, max_tokens: int = 16384) -> SuffixStrategy:
-    """Builder of the `suffix` strategy (SuffixOptions; shared also as on/off). Default budget: "auto" on
-    llama.cpp (t(n) grows with n), DEFAULT_BUDGET on torch."""
+                shared: bool | str = True, max_tokens: int = 16384, fallback: Strategy | None = None) -> SuffixStrategy:
+    """Builder of the `suffix` strategy (SuffixOptions; shared also as on/off; fallback: a strategy built by the
+    registry, module docstring). Default budget: "auto" on llama.cpp (t(n) grows with n), DEFAULT_BUDGET on torch."""
     if budget is None:
         budget = "auto" if pair.backend == "llama.cpp" else DEFAULT_BUDGET
     opts = SuffixOptions(budget, max_depth, min_prob, switch(shared, "shared"), max_tokens)
-    return SuffixStrategy(opts, machine_cost(pair) if opts.budget == "auto" else None)
+    return SuffixStrategy(opts, machine_cost(pair) if opts.budget == "auto" else None, fallback)
