@@ -248,3 +248,15 @@ def test_repeated_work_keeps_a_functions_edits_in_a_row(monkeypatch) -> None:
     assert [p.id for p in got] == [f"repeat-edit/HumanEval/{i}/{j}" for i in range(2) for j in range(3)][:5]
     assert all(p.chat and "def f0(x):\n    return x\n" in p.text for p in got[:3])
     assert len({p.text.split("\n")[0] for p in got[:3]}) == len(prompts.EDITS)  # each edit once per function
+
+
+def test_acceptance_by_match_length() -> None:
+    from speculor.bench.summary import acceptance_by_match
+
+    rows = [{"match": [0, 1, 2, 6, None], "drafted": [3, 2, 4, 8, 0], "accepted": [3, 0, 2, 8, 0]},
+            {"match": [12, 1], "drafted": [10, 2], "accepted": [5, 2]}, {"drafted": [1], "accepted": [1]}]
+    got = acceptance_by_match(rows)
+    assert list(got) == ["1", "2", "5-8", "9+"]  # the step of match 0 drafted through a fallback: not counted
+    assert got["1"] == {"steps": 2, "drafted": 2.0, "accepted": 1.0, "accepted_share": 0.5}
+    assert got["9+"]["accepted_share"] == 0.5 and got["5-8"]["accepted"] == 8.0
+    assert acceptance_by_match([{"drafted": [1], "accepted": [1]}]) == {}

@@ -58,7 +58,9 @@ def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> di
             "draft_forwards": sum(s.draft_forwards for s in stats.steps),
             "draft_s": sum(s.draft_s for s in stats.steps), "verify_s": sum(s.verify_s for s in stats.steps),
             "overhead_s": sum(s.overhead_s for s in stats.steps), "steps": len(stats.steps),
-            "drafter_stats": sum_stats([s.drafter_stats for s in stats.steps])}
+            "drafter_stats": sum_stats([s.drafter_stats for s in stats.steps]),
+            "match": [int(s.drafter_stats["match"]) if s.drafter_stats and "match" in s.drafter_stats else None
+                      for s in stats.steps]}  # suffix: each step's match length (0: the tries drafted nothing)
 
 
 def kernel_s(pair: Pair) -> float | None:

@@ -79,6 +79,8 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
     if steps:
         depth = max(steps)
         agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]
+        if by_match := acceptance_by_match(rows):
+            agg["acceptance_by_match"] = by_match
         agg["mean_tree_size"] = statistics.mean(d for r in rows for d in r["drafted"])
         agg["draft_forwards_per_step"] = sum(r["draft_forwards"] for r in rows) / len(steps)
         wall = sum(r["wall_s"] for r in rows)
@@ -88,6 +90,25 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
             host = sum(r["host_s"] for r in rows)
             agg["host_ms_per_step"], agg["host_share"] = 1000 * host / len(steps), host / wall
     return agg
+
+
+MATCH_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 1 << 30))  # match lengths, in tokens
+
+
+def acceptance_by_match(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """suffix's steps that drafted, by the length of the match they drafted from: steps, mean draft tokens and mean
+    accepted ones, and the share of draft tokens accepted ({} where the records carry no match lengths)."""
+    out = {}
+    cells = [(m, d, a) for r in rows for m, d, a in zip(r.get("match") or [], r["drafted"], r["accepted"], strict=False)
+             if m]
+    for lo, hi in MATCH_BUCKETS:
+        chosen = [(d, a) for m, d, a in cells if lo <= m <= hi]
+        if chosen:
+            drafted, accepted = sum(d for d, _ in chosen), sum(a for _, a in chosen)
+            out[f"{lo}" if lo == hi else f"{lo}+" if hi > 1 << 20 else f"{lo}-{hi}"] = {
+                "steps": len(chosen), "drafted": drafted / len(chosen), "accepted": accepted / len(chosen),
+                "accepted_share": accepted / drafted if drafted else 0.0}
+    return out
 
 
 def by_category(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
