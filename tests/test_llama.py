@@ -359,3 +359,17 @@ def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
 
     with pytest.raises(SpeculorError, match="llama.cpp setting"):
         load_pair(backend="torch", calls="batched")
+
+
+def test_llama_cpps_own_prompt_lookup_runs_as_a_peer(llama_pair):
+    """The bench's llama.cpp-lookup peer: llama-cpp-python's prompt-lookup drafting over the target's GGUF file
+    answers a copy-heavy prompt (its greedy tokens are its own; not ours to guarantee), and so does its plain peer."""
+    from speculor.bench.peers import PEERS, peer_generate
+
+    assert "llama.cpp-lookup" in PEERS
+    sp = Speculor(llama_pair, strategy="plain")
+    ids = sp.encode("Return this function unchanged:\ndef f(x):\n    y = x + 1\n    return [x, y, x * y]", chat=True)
+    cfg = SamplingConfig(max_new_tokens=24)
+    for name in ("llama.cpp", "llama.cpp-lookup"):
+        tokens, wall = peer_generate(llama_pair, name, ids, cfg, sp.eos_ids)
+        assert 0 < len(tokens) <= 24 and wall > 0, name

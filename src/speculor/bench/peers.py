@@ -3,6 +3,8 @@ GGUF file, and transformers' own speculative generation.
 
     llama.cpp               llama-cpp-python's high-level `Llama` over the target's GGUF, greedy (or its own
                             sampler at T > 0), the same threads: what CPU users run (loaded per call, not timed)
+    llama.cpp-lookup        the same with llama-cpp-python's own model-free drafting, prompt lookup
+                            (`LlamaPromptLookupDecoding(num_pred_tokens=2)`, its README's advice for CPUs)
 
     hf-assisted             generate(assistant_model=draft)       (assisted generation, same draft, the
                             draft's generation config: transformers' defaults are 20 tokens, constant schedule,
@@ -39,7 +41,9 @@ from speculor.runtime.lean import is_joined
 from speculor.runtime.loading import Pair, load_model
 from speculor.runtime.model import Model
 
-PEERS = ("llama.cpp", "hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence", "hf-prompt-lookup")
+PEERS = ("llama.cpp", "llama.cpp-lookup", "hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence",
+         "hf-prompt-lookup")
+LOOKUP_TOKENS = 2  # llama.cpp-lookup's num_pred_tokens: llama-cpp-python's README advises 2 on CPU-only machines
 ASSISTANT_SETTINGS: dict[str, dict[str, Any]] = {
     "hf-assisted": {},
     "hf-assisted-heuristic": {"num_assistant_tokens_schedule": "heuristic", "num_assistant_tokens": 5,
@@ -108,7 +112,7 @@ def unfit(pair: Pair, name: str) -> str:
     llama-cpp-python, transformers' peers a pair on torch."""
     from speculor.runtime import embedded, llama
 
-    if name == "llama.cpp":
+    if name in ("llama.cpp", "llama.cpp-lookup"):
         if not llama.available():
             return "llama-cpp-python is not installed"
         if pair.target_name not in embedded.EMBEDDED and not pair.target_name.endswith(".gguf"):
@@ -120,19 +124,25 @@ def unfit(pair: Pair, name: str) -> str:
 def peer_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
                   eos_ids: frozenset[int]) -> tuple[list[int], float]:
     """(new token ids, wall seconds) of peer `name`."""
-    if name == "llama.cpp":
-        return llama_generate(pair, prompt, cfg, eos_ids)
+    if name in ("llama.cpp", "llama.cpp-lookup"):
+        return llama_generate(pair, prompt, cfg, eos_ids, lookup=name == "llama.cpp-lookup")
     return hf_generate(pair, name, prompt, cfg, eos_ids)
 
 
-def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig,
-                   eos_ids: frozenset[int]) -> tuple[list[int], float]:
-    """(new token ids, wall seconds, prefill included) of llama.cpp's plain decoding of the target's GGUF."""
+def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig, eos_ids: frozenset[int],
+                   lookup: bool = False) -> tuple[list[int], float]:
+    """(new token ids, wall seconds, prefill included) of llama.cpp's plain decoding of the target's GGUF, or with
+    `lookup` its prompt-lookup drafting."""
     from speculor.runtime.llama import quiet_llama
     from speculor.runtime.loading import gguf_file
 
+    options = {}
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        options["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
     llm = quiet_llama(gguf_file(pair.target_name), threads=torch.get_num_threads(),
-                      n_ctx=len(prompt) + cfg.max_new_tokens + 8, seed=cfg.seed or 0)
+                      n_ctx=len(prompt) + cfg.max_new_tokens + 8, seed=cfg.seed or 0, **options)
     sample = ({"temp": 0.0, "top_k": 1} if cfg.greedy else
               {"temp": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or 0, "min_p": 0.0})
     out: list[int] = []

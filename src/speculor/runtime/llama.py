@@ -364,11 +364,12 @@ def rows_of(rows: list[np.ndarray]) -> np.ndarray:
     return rows[0][None] if len(rows) == 1 else np.stack(rows)
 
 
-def quiet_llama(path: str | Path, *, threads: int, n_ctx: int, seed: int = 0):
-    """llama-cpp-python's high-level `Llama` over a GGUF file, as a user starts it (its own defaults), quiet."""
+def quiet_llama(path: str | Path, *, threads: int, n_ctx: int, seed: int = 0, **options):
+    """llama-cpp-python's high-level `Llama` over a GGUF file, as a user starts it (its own defaults, and `options`
+    such as a draft_model), quiet."""
     L = _lib()
     return L.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, seed=seed,
-                   verbose=False)
+                   verbose=False, **options)
 
 
 def _free(L, model, ctx, batch) -> None:
