@@ -45,15 +45,15 @@ def test_one_forward_gives_each_block_its_own_logits(pair):
     target, _ = pair
     assert target.batched
     blocks = [([5, 6, 7], [-1, 0]), ([11], []), ([1, 2, 3, 4], [-1, -1, 0]), ([9, 9], [-1])]
-    alone = [forward1(target, prefilled(target, p), t, block_parents(torch.tensor(par, dtype=torch.long)))
+    alone = [forward1(target, prefilled(target, p), t, block_parents(torch.tensor(par, dtype=torch.long))).logits
              for p, (t, par) in zip(PROMPTS, blocks, strict=True)]
     caches = [prefilled(target, p) for p in PROMPTS]
     calls = target.model.model.embed_tokens.forward
     counted = []
     target.model.model.embed_tokens.forward = lambda x: counted.append(x.shape) or calls(x)
     try:
-        together = target.forward([Block(c, t, block_parents(torch.tensor(par, dtype=torch.long)))
-                                   for c, (t, par) in zip(caches, blocks, strict=True)])
+        together = [r.logits for r in target.forward([Block(c, t, block_parents(torch.tensor(par, dtype=torch.long)))
+                                                      for c, (t, par) in zip(caches, blocks, strict=True)])]
     finally:
         target.model.model.embed_tokens.forward = calls
     assert counted == [torch.Size([1, 10])]  # one forward over the 10 stacked rows

@@ -40,7 +40,8 @@ def test_keep_moves_only_the_accepted_rows(model):
     assert torch.equal(layer.k_buf[..., :5, :], before[..., :5, :])  # committed entries untouched
     assert torch.equal(layer.k_buf[..., 5:8, :], pending[..., [0, 1, 3], :])  # accepted rows moved in order
     # the next forward sees exactly prefix + the accepted path
-    assert (forward1(model, cache, [3])[0] - reference_logits(model.model, prefix + [7, 8, 10, 3])).abs().max() < 1e-4
+    logits = forward1(model, cache, [3]).logits
+    assert (logits[0] - reference_logits(model.model, prefix + [7, 8, 10, 3])).abs().max() < 1e-4
 
 
 def test_trim_and_growth_keep_the_cache_right(model, monkeypatch):
@@ -51,10 +52,10 @@ def test_trim_and_growth_keep_the_cache_right(model, monkeypatch):
         forward1(model, cache, seq[i:i + 5])
         cache.keep(list(range(len(seq[i:i + 5]))))
     assert cache.length == len(seq) and cache.layers[0].k_buf.shape[-2] == 40  # 5 (the first block), 10, 20, 40
-    assert (forward1(model, cache, [1])[0] - reference_logits(model.model, seq + [1])).abs().max() < 1e-4
+    assert (forward1(model, cache, [1]).logits[0] - reference_logits(model.model, seq + [1])).abs().max() < 1e-4
     cache.trim(10)
     assert cache.length == 10 and cache.get_seq_length() == 10 and len(cache.pending) == 0
-    assert (forward1(model, cache, [1])[0] - reference_logits(model.model, seq[:10] + [1])).abs().max() < 1e-4
+    assert (forward1(model, cache, [1]).logits[0] - reference_logits(model.model, seq[:10] + [1])).abs().max() < 1e-4
 
 
 def test_requests_share_the_model_not_their_state(model):

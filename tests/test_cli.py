@@ -43,7 +43,7 @@ def no_pair(monkeypatch):
     def load(args):
         raise AssertionError("the model pair was loaded")
 
-    monkeypatch.setattr(commands, "load_pair_from_args", load)
+    monkeypatch.setattr(commands, "load", load)
 
 
 # ------------------------------------------------------------------------------------------- no torch at start
@@ -125,7 +125,7 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
 
     seen = []
     pair = types.SimpleNamespace(draft_tokenizer=None)  # a pair whose draft shares the target's tokenizer
-    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: pair)
+    monkeypatch.setattr(commands, "load", lambda args: pair)
 
     class Recorder:
         def __init__(self, pair, strategy, **options):
@@ -165,7 +165,7 @@ def test_bench_refuses_bad_strategies_before_loading(strategies, message, no_pai
 
 def test_unknown_strategy_lists_every_registered_strategy(no_pair, capsys) -> None:
     from speculor.drafters.registry import BUILDERS, make_strategy, options_of
-    from speculor.runtime.loading import Pair
+    from speculor.runtime.backend import Pair
 
     for call in (lambda: make_strategy("nope", Pair(None, None, None)), lambda: options_of("nope")):
         with pytest.raises(SpeculorError, match="unknown strategy 'nope'") as info:
@@ -178,7 +178,7 @@ def test_unknown_strategy_lists_every_registered_strategy(no_pair, capsys) -> No
 
 def test_options_of_matches_each_builders_keyword_parameters() -> None:
     from speculor.drafters.registry import BUILDERS, make_strategy, options_of
-    from speculor.runtime.loading import Pair
+    from speculor.runtime.backend import Pair
 
     for name, builder in BUILDERS.items():
         params = list(inspect.signature(builder).parameters.values())
@@ -225,9 +225,11 @@ def test_bench_help_shows_the_bench_defaults(capsys) -> None:
 def test_every_name_the_commands_import_exists() -> None:
     """The command functions import lazily; every `from M import N` there, and every `M.N` read from a module
     imported so, must resolve (a stale name of the old flat layout fails here, not in front of a user)."""
-    tree = ast.parse(Path(cli.__file__).with_name("commands.py").read_text())
+    modules_of = sorted(Path(commands.__file__).parent.glob("*.py"))
+    assert {p.stem for p in modules_of} >= {c.replace("-", "_") for c in COMMANDS}
+    functions = [n for p in modules_of for n in ast.parse(p.read_text()).body if isinstance(n, ast.FunctionDef)]
     checked = 0
-    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+    for fn in functions:
         modules: dict[str, object] = {}
         for node in ast.walk(fn):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -254,7 +256,7 @@ def test_generate_prints_the_peak_memory(json_out, monkeypatch, capsys) -> None:
     """One stderr line with the process's peak resident memory (runtime/memory.py), after the text or the JSON."""
     from support.server import tiny_pair
 
-    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: tiny_pair())
+    monkeypatch.setattr(commands, "load", lambda args: tiny_pair())
     assert cli.main(["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "4"]
                     + (["--json"] if json_out else [])) == 0
     out, err = capsys.readouterr()
@@ -275,17 +277,24 @@ def test_a_device_that_cannot_run_is_refused_before_loading(argv, message, capsy
     assert message in capsys.readouterr().err
 
 
-def test_dtype_reaches_the_loader(monkeypatch) -> None:
+def test_the_arguments_reach_the_loader_as_a_pair_spec(monkeypatch) -> None:
+    """One PairSpec from the arguments (`commands.pair_spec`): dtype auto is bfloat16 on cuda, float32 on cpu; a
+    command without an option gets its default; it goes to `speculor.load_pair`, which chooses the backend."""
     import torch
 
-    from speculor import commands
+    from speculor.runtime import choice
+    from speculor.runtime.loading import PairSpec
 
-    seen = {}
-    monkeypatch.setattr("speculor.runtime.loading.load_pair", lambda *a, **k: seen.update(k))
+    seen = []
+    monkeypatch.setattr(choice, "load_pair", seen.append)
     for device, dtype, expected in (("cpu", "auto", torch.float32), ("cuda", "auto", torch.bfloat16),
                                     ("cuda", "float32", torch.float32), ("cpu", "float16", torch.float16)):
-        commands.load_pair_from_args(types.SimpleNamespace(target="t", draft="d", device=device, dtype=dtype))
-        assert seen["dtype"] is expected and seen["offload"] is False, (device, dtype)
+        commands.load(types.SimpleNamespace(target="t", draft="d", device=device, dtype=dtype))
+        assert seen[-1] == PairSpec("t", "d", device=device, dtype=expected), (device, dtype)
+    args = cli._parser().parse_args(["generate", "--prompt", "hi", "--draft", "none", "--kernels", "eager",
+                                     "--backend", "llama.cpp", "--threads", "3", "--calls", "batched"])
+    assert commands.pair_spec(args) == PairSpec("default", None, packed=False, draft_int8=False, backend="llama.cpp",
+                                                threads=3, calls="batched")
 
 
 def test_generate_takes_the_servers_sampling_fields(monkeypatch, capsys) -> None:
@@ -296,7 +305,7 @@ def test_generate_takes_the_servers_sampling_fields(monkeypatch, capsys) -> None
     from speculor import SamplingConfig, Speculor
 
     pair = tiny_pair()
-    monkeypatch.setattr(commands, "load_pair_from_args", lambda args: pair)
+    monkeypatch.setattr(commands, "load", lambda args: pair)
     base = ["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "8", "--json"]
     assert cli.main(base + ["--logprobs", "2"]) == 0
     plain = json.loads(capsys.readouterr().out)

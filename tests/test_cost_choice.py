@@ -1,5 +1,5 @@
 """Decisions made from a cost curve: `--backend auto`'s prediction (runtime/choice.py), DySpec's alone check (can a
-chain pay at all?) and the n-gram cut (drafters/ngram.py), on a flat curve (fp32 torch-like: rows nearly free)
+chain pay at all?) and the n-gram cut (drafters/lookup.py), on a flat curve (fp32 torch-like: rows nearly free)
 and a steep one (llama.cpp-like: t(2) = 1.6 t(1), a draft forward half a target step)."""
 
 from __future__ import annotations
@@ -82,9 +82,34 @@ def test_auto_says_what_it_chose_and_measures_nothing_where_only_torch_runs(monk
 
 
 def test_auto_refuses_a_device_before_measuring(monkeypatch):
+    import speculor
     from speculor.errors import SpeculorError
-    from speculor.runtime import choice, loading
+    from speculor.runtime import choice
 
     monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("measured before the device check"))
     with pytest.raises(SpeculorError, match="--offload streams"):
-        loading.load_pair(offload=True)  # the default backend, auto, on the CPU
+        speculor.load_pair(offload=True)  # the default backend, auto, on the CPU
+
+
+def test_auto_is_chosen_before_loading(monkeypatch):
+    """`speculor.load_pair` resolves "auto" (runtime/choice.py) and hands runtime/loading.py a concrete backend;
+    loading itself refuses "auto" (it never imports the choice)."""
+    import speculor
+    from speculor.errors import SpeculorError
+    from speculor.runtime import choice, loading
+    from speculor.runtime.loading import PairSpec
+
+    loaded = []
+    monkeypatch.setattr(choice, "choose", lambda target, draft, **kw: "llama.cpp")
+    monkeypatch.setattr(loading, "load_pair", loaded.append)
+    speculor.load_pair("t.gguf", None, threads=2)
+    assert loaded == [PairSpec("t.gguf", None, backend="llama.cpp", threads=2)]
+    speculor.load_pair(PairSpec("t", backend="torch"))  # a concrete backend: nothing chosen
+    assert loaded[-1] == PairSpec("t", backend="torch")
+    monkeypatch.undo()
+    with pytest.raises(SpeculorError, match="chosen before loading"):
+        loading.load_pair()
+    with pytest.raises(SpeculorError, match="a PairSpec or the fields of one"):
+        speculor.load_pair(PairSpec(), backend="torch")
+    with pytest.raises(SpeculorError, match="unknown backend"):
+        speculor.load_pair(backend="gpu")

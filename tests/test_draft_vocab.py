@@ -77,13 +77,13 @@ def test_restricted_logits_equal_full_logits_on_the_subset_on_every_path(draft, 
     pairs = []
     for model, out in ((f, []), (s, [])):  # chain, tree, last row, hidden states, batched
         cache, other = model.new_cache(), model.new_cache()
-        out.append(forward1(model, cache, prompt))
+        out.append(forward1(model, cache, prompt).logits)
         cache.keep(list(range(len(prompt))))
-        out.append(forward1(model, cache, [5, 6, 7, 8], tree))
-        out.append(forward1(model, cache, [9, 10], append=True))
-        out.append(forward1(model, cache, [11, 12], last=True))
-        out.append(forward1(model, cache, [13], hidden=True)[0])
-        out.extend(model.forward([Block(cache, [14, 15, 16]), Block(other, PROMPTS[0])]))
+        out.append(forward1(model, cache, [5, 6, 7, 8], tree).logits)
+        out.append(forward1(model, cache, [9, 10], append=True).logits)
+        out.append(forward1(model, cache, [11, 12], last=True).logits)
+        out.append(forward1(model, cache, [13], hidden=True).logits)
+        out.extend(r.logits for r in model.forward([Block(cache, [14, 15, 16]), Block(other, PROMPTS[0])]))
         pairs.append(out)
     for a, b in zip(*pairs, strict=True):
         assert a.shape == b.shape and b.shape[-1] == VOCAB

@@ -1,4 +1,4 @@
-"""The heads on the target's features (runtime/eagle_head.py) and their strategies (drafters/eagle.py) on the toy LMs:
+"""The heads on the target's features (runtime/eagle_head.py, drafters/heads.py) and their strategies on the toy LMs:
 a head row depends on its own inputs alone, the engine hands the drafter the target's own features, greedy output is
 plain greedy alone and in a batch, and the law of `eagle` (DySpec's tree from one head) and of the boosted pool
 (SpecInfer's merged trees, mixed q's) is the target's: exact enumeration of the merged nodes and chi-square through
@@ -24,11 +24,12 @@ from support.toy import T1, N, V, exact_law, plain_greedy
 from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.tree import DraftTree, expansion_shape, merge, path_to
-from speculor.drafters.dyspec import DySpecOptions
-from speculor.drafters.eagle import BoostedDrafter, EagleDrafter
+from speculor.drafters.dynamic_tree import DySpecOptions
+from speculor.drafters.eagle import EagleDrafter
+from speculor.drafters.heads import BoostedDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Block
+from speculor.runtime.backend import Block, Rows
 from speculor.runtime.eagle_head import EagleConfig, EagleHead, FeatureStore, HeadModel, load_pool, save_pool
 from speculor.runtime.model import Model
 
@@ -80,7 +81,7 @@ def test_rows_depend_on_their_own_inputs_alone():
     tokens, parents = [1, 2, 3, 4], torch.tensor([-1, 0, 0, 1])
     other = hm.bind(FeatureStore())
     other_cache = other.new_cache()
-    logits, _ = hm.forward([Block(cache, tokens, parents), Block(other_cache, [5, 0])])
+    logits = hm.forward([Block(cache, tokens, parents), Block(other_cache, [5, 0])])[0].logits
     head = hm.head
     s5 = head.standardize(store.get(5)[None])
     s_root, l_root = head(s5, one_hot(torch.tensor([1])))
@@ -96,10 +97,10 @@ def test_rows_depend_on_their_own_inputs_alone():
 def test_head_law_is_a_distribution_on_its_ids():
     hm = head_model(4, vocab=4)  # ids 0..3 of a vocabulary of 6: tokens 4, 5 never drafted
     cache = hm.bind(FeatureStore()).new_cache()
-    (logits,) = hm.forward([Block(cache, [2, 3, 1])])
+    logits = hm.forward([Block(cache, [2, 3, 1])])[0].logits
     assert logits.shape == (3, V)
     assert torch.isinf(logits[:, 4:]).all() and torch.isfinite(logits[:, :4]).all()
-    (last,) = hm.forward([Block(hm.bind(FeatureStore()).new_cache(), [2, 3, 1], last=True)])
+    last = hm.forward([Block(hm.bind(FeatureStore()).new_cache(), [2, 3, 1], last=True)])[0].logits
     assert torch.allclose(last, logits[-1:], atol=1e-6)
 
 
@@ -161,7 +162,7 @@ def test_the_prefill_gives_the_feature_of_its_last_position(target):
         model, drafter = Model(target), eagle(1)
         if last_only:
             model.forward = lambda blocks, full=model.forward, **kw: [
-                (o[0], o[1][-1:]) if isinstance(o, tuple) else o for o in full(blocks, **kw)]
+                Rows(o.logits, o.hidden[-1:]) if o.hidden is not None else o for o in full(blocks, **kw)]
         start(model, drafter, prompt, SamplingConfig(max_new_tokens=4))
         assert max(drafter.store.f) == len(prompt) - 2
         for pos, f in drafter.store.f.items():
@@ -312,3 +313,42 @@ def test_a_pool_for_another_target_is_refused(tmp_path):
                                        .drafter(), [1, 2, 3], SamplingConfig(max_new_tokens=8))]
     plain = [t.id for t in engine.stream(pair.target, None, [1, 2, 3], SamplingConfig(max_new_tokens=8))]
     assert out == plain
+
+
+def test_a_pool_is_held_by_its_target(tmp_path):
+    """The pool is loaded once per target and held by that model (drafters/heads.py): the same heads for the same
+    target, its own for another model, and nothing left once a target is gone (an id() key could hand a new model
+    the pool of a collected one)."""
+    import gc
+
+    from support.tiny import near_pair
+
+    from speculor.drafters import heads
+    from speculor.runtime.backend import Pair
+
+    pair = near_pair("tiny-target", "tiny-draft")
+    cfg = EagleConfig(pair.target.hidden_size, width=8, ffn=8, blocks=1, vocab=5)
+    save_pool([EagleHead(cfg, torch.arange(5))], tmp_path, {})
+    first = heads.pool(pair, str(tmp_path))
+    assert heads.pool(Pair(pair.target, None, pair.tokenizer), str(tmp_path)) is first
+    other = Model(pair.target.model)
+    assert heads.pool(Pair(other, None, pair.tokenizer), str(tmp_path)) is not first
+    held = len(heads._POOLS)
+    del pair, first, other
+    gc.collect()
+    assert len(heads._POOLS) == held - 2
+
+
+def test_every_backend_has_every_member_of_the_protocol(target):
+    """What callers read off a backend is declared on `Backend` (runtime/backend.py), and the torch model and a
+    head (and a request's view of it) have all of it; their caches have all of `Cache`."""
+    from speculor.runtime.backend import Backend, Cache
+
+    members = [m for m in (*Backend.__annotations__, *vars(Backend)) if not m.startswith("_")]
+    hm = head_model(0)
+    for backend in (Model(target), hm, hm.bind(FeatureStore())):
+        assert backend.shared in (backend, hm)
+        assert all(hasattr(backend, m) for m in members), [m for m in members if not hasattr(backend, m)]
+        cache = backend.new_cache()
+        assert all(hasattr(cache, m) for m in ("length", "pending", "keep", "trim")), type(cache)
+        assert set(Cache.__annotations__) | {"pending", "keep", "trim"} <= set(dir(cache))

@@ -87,7 +87,7 @@ def test_the_forward_gives_the_models_own_logits(family):
     tree = [(20, n - 1), (21, n - 1), (22, n), (23, n + 2)]  # (token, parent row): two branches, one of depth 3
     parents = list(range(-1, n - 1)) + [p for _, p in tree]
     model = Model(target)
-    got = model.forward([Block(model.new_cache(), prompt + [t for t, _ in tree], torch.tensor(parents))])[0]
+    got = model.forward([Block(model.new_cache(), prompt + [t for t, _ in tree], torch.tensor(parents))])[0].logits
     tokens = prompt + [t for t, _ in tree]
     for row in range(len(tokens)):
         path, at = [], row

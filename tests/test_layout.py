@@ -1,5 +1,6 @@
-"""The package layout keeps its promises: strategies do not import each other, the decoding path loads no training,
-plotting or benchmark code, layers import downwards only, and no source file grows past ~400 lines."""
+"""The package layout keeps its promises: strategies do not import each other (every registered one checked), the
+decoding path loads no training, plotting or benchmark code, layers import downwards only, nothing below the command
+line imports it, runtime/'s imports have no cycle, and no source file grows past ~400 lines."""
 
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "speculor"
-STRATEGIES = ["dyspec", "gsd", "sequoia", "specdecpp", "specinfer", "suffix", "topk_tree"]
+STRATEGIES = ["chain", "dyspec", "eagle", "gsd", "ngram", "sequoia", "specdecpp", "specinfer", "suffix", "topk_tree"]
 # a module may import from its own layer and the layers below it (config and errors are at the bottom)
 LAYERS = ["core", "runtime", "drafters", "engine", "api", "methods", "serving", "bench"]  # api: the module api.py
 
 
-def speculor_imports(path: Path) -> set[str]:
-    """Every `speculor.*` module a file imports, at top level or inside functions."""
+def speculor_imports(path: Path, type_checking: bool = True) -> set[str]:
+    """Every `speculor.*` module a file imports, at top level or inside functions (and, unless type_checking is
+    False, under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    typing_only = set() if type_checking else {
+        id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body for n in ast.walk(stmt)}
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("speculor"):
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
@@ -55,3 +63,46 @@ def test_decoding_path_loads_no_offline_code():
 def test_no_source_file_is_long():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 420}
     assert not long
+
+
+def test_every_registered_strategy_with_a_module_is_checked():
+    """STRATEGIES (test_no_strategy_imports_another) names every strategy of the registry's BUILDERS that has a
+    module of its own in drafters/ (read from the source: no torch)."""
+    tree = ast.parse((SRC / "drafters" / "registry.py").read_text())
+    (table,) = [n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                and "BUILDERS" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target)]
+    names = [k.value.replace("-", "_") for k in table.keys]
+    assert len(names) > 10
+    assert not [n for n in names if (SRC / "drafters" / f"{n}.py").exists() and n not in STRATEGIES]
+
+
+BELOW_THE_COMMAND_LINE = ["serving", "runtime", "engine", "drafters", "core", "bench", "methods"]
+
+
+def test_nothing_below_the_command_line_imports_it():
+    """The command line (cli.py, the commands package) is above everything: no library module imports it, at top
+    level or inside a function."""
+    command_line = ("speculor.cli", "speculor.commands")
+    for path in [SRC / "api.py", *(p for d in BELOW_THE_COMMAND_LINE for p in (SRC / d).rglob("*.py"))]:
+        bad = {m for m in speculor_imports(path) if any(m == c or m.startswith(c + ".") for c in command_line)}
+        assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"
+
+
+def test_runtime_imports_have_no_cycle():
+    """runtime/'s modules import one another one way only (imports inside functions count; those under `if
+    TYPE_CHECKING:` do not, as they never run)."""
+    modules = {p.stem for p in (SRC / "runtime").glob("*.py")} - {"__init__"}
+    graph = {m: {n.split(".")[2] for n in speculor_imports(SRC / "runtime" / f"{m}.py", type_checking=False)
+                 if n.startswith("speculor.runtime.") and n.split(".")[2] in modules} - {m} for m in modules}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            raise AssertionError(f"runtime/ import cycle: {' -> '.join(path[path.index(m):] + [m])}")
+        if m not in done:
+            for n in sorted(graph[m]):
+                visit(n, path + [m])
+            done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])

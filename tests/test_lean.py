@@ -90,11 +90,13 @@ def test_lean_forward_equals_the_stock_forward(name):
             continue
         _, tokens, parents, kw = step
         parents = None if parents is None else torch.tensor(parents, dtype=torch.long)
-        a, b = (forward1(m, c, tokens, parents, **kw) for m, c in zip((stock, lean), caches, strict=True))
+        ra, rb = (forward1(m, c, tokens, parents, **kw) for m, c in zip((stock, lean), caches, strict=True))
+        a, b = ra.logits, rb.logits
         if kw.get("hidden"):
-            (a, ha), (b, hb) = a, b
-            assert hb.shape == (len(tokens), 32)
-            same(ha, hb)
+            assert rb.hidden.shape == (len(tokens), 32)
+            same(ra.hidden, rb.hidden)
+        else:
+            assert ra.hidden is None and rb.hidden is None
         assert b.shape == (1 if kw.get("last") else len(tokens), VOCAB)
         same(a, b)
         assert torch.equal(caches[0].pending, caches[1].pending)
@@ -109,7 +111,7 @@ def test_lean_forward_skips_transformers_forward():
     lean = Model(module, lean=True)
     calls = []
     module.forward = lambda *a, **k: calls.append(1)
-    logits = forward1(lean, lean.new_cache(), [1, 2, 3])
+    logits = forward1(lean, lean.new_cache(), [1, 2, 3]).logits
     assert calls == [] and logits.shape == (3, VOCAB) and torch.isfinite(logits).all()
 
 
@@ -126,7 +128,7 @@ def test_blocks_of_a_lean_model_give_each_block_its_logits():
             caches[-1].keep(list(range(len(p))))
         out[m] = m.forward([Block(c, t, torch.tensor(par)) for c, (t, par) in zip(caches, blocks, strict=True)])
     for a, b in zip(out[stock], out[lean], strict=True):
-        same(a, b)
+        same(a.logits, b.logits)
 
 
 def test_unsupported_models_are_refused():

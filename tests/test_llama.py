@@ -52,14 +52,14 @@ def alone(model, seq, prefix=PREFIX):
     """The last row's logits of seq, decoded one token a call after its prefix."""
     cache = prefilled(model, seq[:prefix])
     for t in seq[prefix:]:
-        logits = forward1(model, cache, [t])[0]
+        logits = forward1(model, cache, [t]).logits[0]
         cache.keep([0])
     return logits
 
 
 def tree_logits(model):
     cache = prefilled(model, PROMPT[:-1])
-    return cache, forward1(model, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))
+    return cache, forward1(model, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS)).logits
 
 
 def test_tree_in_one_forward_equals_each_path_alone(draft):
@@ -73,7 +73,7 @@ def long_rows_alone(model) -> list[bool]:
     """Per path of TREE after a 700-token context: whether its row in one tree forward equals the row alone."""
     long = (PROMPT * 60)[:700]
     cache = prefilled(model, long[:-1])
-    logits = forward1(model, cache, [long[-1]] + TREE, torch.tensor(PARENTS))
+    logits = forward1(model, cache, [long[-1]] + TREE, torch.tensor(PARENTS)).logits
     return [torch.equal(logits[row], alone(model, long + path, prefix=len(long) - 1)) for row, path in PATHS.items()]
 
 
@@ -102,12 +102,13 @@ def test_hidden_states_leave_the_logits_unchanged(draft):
     same logits bits; they are the final-norm states the output matrix reads (logits = W h up to its rounding)."""
     _, plain = tree_logits(draft)
     cache = prefilled(draft, PROMPT[:-1])
-    logits, hidden = forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS), hidden=True)
+    out = forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS), hidden=True)
+    logits, hidden = out.logits, out.hidden
     assert torch.equal(logits, plain)
     assert hidden.shape == (len(TREE) + 1, draft.hidden_size)
     _, again = tree_logits(draft)  # and switched off again
     assert torch.equal(again, plain)
-    from speculor.runtime.eagle_head import GGUFRows
+    from speculor.runtime.gguf_rows import GGUFRows
 
     rows = GGUFRows(draft.path, ["output.weight", "token_embd.weight"])(torch.arange(2000))
     assert (hidden @ rows.T - logits[:, :2000]).abs().max() < 0.05 * logits[:, :2000].abs().max()
@@ -116,9 +117,9 @@ def test_hidden_states_leave_the_logits_unchanged(draft):
 def test_a_tree_grown_by_depth_equals_the_tree_at_once(draft):
     _, whole = tree_logits(draft)
     cache = prefilled(draft, PROMPT[:-1])
-    first = forward1(draft, cache, [PROMPT[-1]])
-    second = draft.forward([Block(cache, TREE[:2], torch.tensor([0, 0]), append=True)])[0]
-    third = draft.forward([Block(cache, TREE[2:], torch.tensor([1, 1, 2]), append=True)])[0]
+    first = forward1(draft, cache, [PROMPT[-1]]).logits
+    second = draft.forward([Block(cache, TREE[:2], torch.tensor([0, 0]), append=True)])[0].logits
+    third = draft.forward([Block(cache, TREE[2:], torch.tensor([1, 1, 2]), append=True)])[0].logits
     assert torch.equal(torch.cat([first, second, third]), whole)
 
 
@@ -132,15 +133,15 @@ def test_compaction_keeps_exactly_the_accepted_path(draft, kept):
     assert len(draft.free_ids) >= free  # the other paths' ids are back
     mem = draft.mem
     assert llama._lib().llama_memory_seq_pos_max(mem, cache.base) == cache.length - 1
-    nxt = forward1(draft, cache, [7])[0]
+    nxt = forward1(draft, cache, [7]).logits[0]
     assert torch.equal(nxt, alone(draft, PROMPT[:-1] + accepted + [7]))
 
 
 def test_rows_beside_other_requests_equal_the_rows_alone(draft):
     a, b = prefilled(draft, PROMPT[:-1]), prefilled(draft, PROMPT[3:-1])
     ra, rb = draft.forward([Block(a, [PROMPT[-1], 100]), Block(b, [PROMPT[-1], 200, 300], torch.tensor([-1, 0, 0]))])
-    assert torch.equal(ra[1], alone(draft, PROMPT + [100]))
-    assert torch.equal(rb[2], alone(draft, PROMPT[3:] + [300], prefix=PREFIX - 3))
+    assert torch.equal(ra.logits[1], alone(draft, PROMPT + [100]))
+    assert torch.equal(rb.logits[2], alone(draft, PROMPT[3:] + [300], prefix=PREFIX - 3))
 
 
 def test_trim_of_a_chain_keeps_its_first_rows(draft):
@@ -148,7 +149,7 @@ def test_trim_of_a_chain_keeps_its_first_rows(draft):
     forward1(draft, cache, [PROMPT[-1], 100, 200])  # a chain of at most EXACT_ROWS rows: one-row bits
     cache.trim(len(PROMPT) + 1)  # the root and 100 stay pending
     cache.keep([0, 1])
-    assert torch.equal(forward1(draft, cache, [9])[0], alone(draft, PROMPT + [100, 9]))
+    assert torch.equal(forward1(draft, cache, [9]).logits[0], alone(draft, PROMPT + [100, 9]))
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ def test_sampling_is_the_targets_law(sp, llama_pair):
     law = {}
     top = None
     for name, model in (("target", llama_pair.target), ("draft", llama_pair.draft)):
-        logits = forward1(model, model.new_cache(), ids, last=True)[-1] / 1.5
+        logits = forward1(model, model.new_cache(), ids, last=True).logits[-1] / 1.5
         top = torch.topk(logits, 6).indices if top is None else top  # the target's six tokens, both laws on them
         law[name] = dict(zip(top.tolist(), torch.softmax(logits[top], -1).tolist(), strict=True))
     counts = dict.fromkeys(law["target"], 0)
@@ -269,7 +270,7 @@ def decoded(model, prompt, n, beside=None):
     cache = prefilled(ctx, prompt[:-1])
     out, tok = [], prompt[-1]
     for _ in range(n):
-        logits = forward1(ctx, cache, [tok])[0]
+        logits = forward1(ctx, cache, [tok]).logits[0]
         cache.keep([0])
         out.append(logits)
         tok = int(logits.argmax())
@@ -313,7 +314,7 @@ def filled(ctx, tokens, chunk=32):
 def steps_after(ctx, cache, root, n=6):
     out, tok = [], root
     for _ in range(n):
-        out.append(forward1(ctx, cache, [tok])[0])
+        out.append(forward1(ctx, cache, [tok]).logits[0])
         cache.keep([0])
         tok = int(out[-1].argmax())
     return out

@@ -17,8 +17,7 @@ from support.server import save_tiny_pair
 
 pytest.importorskip("ray")
 
-from speculor import SamplingConfig, Speculor  # noqa: E402
-from speculor.runtime.loading import load_pair  # noqa: E402
+from speculor import SamplingConfig, Speculor, load_pair  # noqa: E402
 
 PORT, METRICS_PORT = 18_111, 18_112
 

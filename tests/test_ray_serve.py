@@ -24,9 +24,8 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.exceptions import ActorDiedError, RayTaskError  # noqa: E402
 
-from speculor import SpeculorError  # noqa: E402
+from speculor import SpeculorError, load_pair  # noqa: E402
 from speculor.bench import loadtest  # noqa: E402
-from speculor.runtime.loading import load_pair  # noqa: E402
 from speculor.serving.app import create_app  # noqa: E402
 from speculor.serving.ray_config import RaySettings, check_fits  # noqa: E402
 from speculor.serving.ray_serve import REPLICA_HEADER, application, replica_states  # noqa: E402
@@ -316,6 +315,20 @@ def test_settings_from_config_args() -> None:
                        ({"min_replicas": 3, "max_replicas": 2}, "must not exceed")):
         with pytest.raises(SpeculorError, match=match):
             RaySettings.of(bad)
+
+
+def test_a_replica_loads_the_pair_speculor_serve_names() -> None:
+    """The same options give the same PairSpec from `speculor serve`'s arguments and from Ray's settings."""
+    from speculor import cli, commands
+    from speculor.runtime.loading import PairSpec
+
+    given = {"target": "t", "draft": "none", "kernels": "eager", "dtype": "bfloat16", "threads": 2, "calls": "batched",
+             "backend": "llama.cpp"}
+    argv = ["serve"] + [a for k, v in given.items() for a in (f"--{k}", str(v))]
+    spec = RaySettings.of(given).pair_spec()
+    assert spec == commands.pair_spec(cli._parser().parse_args(argv))
+    assert spec.draft is None and not spec.packed and not spec.draft_int8 and str(spec.dtype) == "torch.bfloat16"
+    assert RaySettings().pair_spec() == PairSpec()  # the defaults agree too (dtype auto on cpu: float32)
 
 
 def test_memory_asked_is_the_pair_files_and_a_margin(folders) -> None:

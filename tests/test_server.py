@@ -20,7 +20,17 @@ import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from support.server import CONTEXT, TEXTS, hold_target, live_server, post_together, queued, tiny_pair, wait_for
+from support.server import (
+    CONTEXT,
+    TEXTS,
+    hold_target,
+    live_server,
+    post_together,
+    prebuild,
+    queued,
+    tiny_pair,
+    wait_for,
+)
 
 from speculor import Pair, SamplingConfig, Speculor, SpeculorError
 from speculor.api import Generation
@@ -472,8 +482,9 @@ def test_concurrent_requests_share_one_batch(pair: Pair) -> None:
     prompt lookup) and sampling settings, and each answer is the one it gets alone."""
     specs = [{"strategy": "plain"}, {"k": 2}, None, {"strategy": "ngram"}]
     sampling = [{}, {"temperature": 0.8, "seed": 3}, {}, {}]
-    with live_server(create_app(pair, strategy="chain", max_batch=4)) as base, \
-            httpx.Client(base_url=base, timeout=60) as http:
+    app = create_app(pair, strategy="chain", max_batch=4)
+    prebuild(app, specs)
+    with live_server(app) as base, httpx.Client(base_url=base, timeout=60) as http:
         answers: dict[int, dict] = {}
 
         def post(i: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from support.families import FAMILIES, family_model
-from support.server import TEXTS, live_server, post_together, tiny_tokenizer
+from support.server import TEXTS, live_server, post_together, prebuild, tiny_tokenizer
 from support.tiny import perturbed
 
 from speculor import Model, Pair, SamplingConfig, Speculor
@@ -25,8 +25,9 @@ def test_two_overlapping_requests_each_get_their_answer_alone(name):
     target = family_model(name, vocab=len(tokenizer), context=512)
     pair = Pair(Model(target), Model(perturbed(target, 0.1, seed=1)), tokenizer, name, "near")
     answers: dict[int, dict] = {}
-    with live_server(create_app(pair, strategy="chain", max_batch=2)) as base, \
-            httpx.Client(base_url=base, timeout=120) as http:
+    app = create_app(pair, strategy="chain", max_batch=2)
+    prebuild(app, [spec for _, spec in REQUESTS])
+    with live_server(app) as base, httpx.Client(base_url=base, timeout=120) as http:
 
         def post(i: int) -> None:
             sampling, spec = REQUESTS[i]

@@ -306,8 +306,8 @@ def test_model_forward_last_gives_the_last_logits_only(tiny_pair, committed):
         if committed:
             forward1(model, c, prefix[:committed])
             c.keep(list(range(committed)))
-    logits, hidden = forward1(model, cache, block, hidden=True, last=True)
-    want_logits, want_hidden = forward1(model, ref, block, hidden=True)
+    got, want = forward1(model, cache, block, hidden=True, last=True), forward1(model, ref, block, hidden=True)
+    logits, hidden, want_logits, want_hidden = got.logits, got.hidden, want.logits, want.hidden
     assert logits.shape == (1, want_logits.shape[-1])
     assert torch.equal(hidden, want_hidden) and torch.allclose(logits, want_logits[-1:], atol=1e-5)
     cache.keep(list(range(len(block))))

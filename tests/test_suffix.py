@@ -336,16 +336,21 @@ def test_auto_cuts_to_what_the_curve_pays_and_learns():
 # ---------------------------------------------------------------- the strategy and its options
 
 
+def model_free() -> Pair:
+    """A pair without a draft over a torch toy target (its rows cheap: the default budget is a number)."""
+    return Pair(Model(random_toy(6, seed=0)), None, None)
+
+
 def test_the_strategy_and_its_options():
     assert options_of("suffix") == ["budget", "max_depth", "min_prob", "shared", "max_tokens", "fallback"]
-    pair = Pair(None, None, None)
+    pair = model_free()
     default = make_strategy("suffix", pair)
     assert default.opts == SuffixOptions() and default.cache is not None and default.cost is None
     off = make_strategy("suffix", pair, shared="off", budget=4, max_depth=8, min_prob=0.5, max_tokens=64)
     assert off.cache is None and off.opts == SuffixOptions(4, 8, 0.5, False, 64)
     a, b = default.drafter(), default.drafter()
     assert a.cache is b.cache and a.trie is not b.trie and a.seq_id != b.seq_id  # shared trie, own tries
-    other_vocab = Pair(None, None, None, draft_tokenizer=object())  # model-free: a draft's tokenizer does not matter
+    other_vocab = Pair(pair.target, None, None, draft_tokenizer=object())  # model-free: a draft's tokenizer is moot
     assert make_strategy("suffix", other_vocab).cache is not None
 
 
@@ -355,7 +360,7 @@ def test_the_strategy_and_its_options():
 ])
 def test_bad_options_name_the_option(option, value):
     with pytest.raises(SpeculorError, match=option):
-        make_strategy("suffix", Pair(None, None, None), **{option: value})
+        make_strategy("suffix", model_free(), **{option: value})
 
 
 # ---------------------------------------------------------------- the hybrid (fallback)

@@ -64,7 +64,7 @@ def test_tree_logits_equal_path_logits(target, prompt):
     if len(prompt) > 1:
         forward1(model, cache, prompt[:-1])
         cache.keep(list(range(len(prompt) - 1)))
-    logits = forward1(model, cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS))
+    logits = forward1(model, cache, torch.cat([torch.tensor(prompt[-1:]), TOKENS]), block_parents(PARENTS)).logits
     assert logits.shape == (len(TOKENS) + 1, VOCAB) and logits.dtype == torch.float32
     assert (logits[0] - reference_logits(target, prompt)).abs().max() < 1e-4
     for i in range(len(TOKENS)):
@@ -86,7 +86,7 @@ def test_commit_of_a_non_prefix_path(target, node):
     committed = prompt + [int(TOKENS[j]) for j in path]
     assert cache.length == len(committed) and cache.get_seq_length() == len(committed)
     nxt = [40, 41, 42]
-    logits = forward1(model, cache, nxt)
+    logits = forward1(model, cache, nxt).logits
     for i in range(len(nxt)):
         ref = reference_logits(target, committed + nxt[: i + 1])
         assert (logits[i] - ref).abs().max() < 1e-4
@@ -98,12 +98,13 @@ def test_forward_drops_uncommitted_entries_and_returns_hidden(target):
     forward1(model, cache, [3, 4, 5])
     cache.keep([0, 1, 2])
     forward1(model, cache, [6, 7, 8, 9])  # never committed: the next forward must not see it
-    logits, hidden = forward1(model, cache, [10], hidden=True)
+    out = forward1(model, cache, [10], hidden=True)
+    logits, hidden = out.logits, out.hidden
     assert hidden.shape == (1, target.config.hidden_size)
     assert (logits[0] - reference_logits(target, [3, 4, 5, 10])).abs().max() < 1e-4
     cache.trim(2)
     assert cache.length == 2
-    assert (forward1(model, cache, [9])[0] - reference_logits(target, [3, 4, 9])).abs().max() < 1e-4
+    assert (forward1(model, cache, [9]).logits[0] - reference_logits(target, [3, 4, 9])).abs().max() < 1e-4
 
 
 # ---------------------------------------------------------------- (b) speculative greedy == plain greedy

@@ -31,7 +31,7 @@ from speculor.core.tree import (
     shape_levels,
 )
 from speculor.core.verify import verify_sampled
-from speculor.drafters.ngram import ngram_continuations
+from speculor.drafters.lookup import ngram_continuations
 from speculor.errors import SpeculorError
 
 # ---------------------------------------------------------------- tree structure: depths, masks, positions, DraftTree

@@ -40,7 +40,7 @@ def test_appended_depths_equal_path_forwards(target):  # noqa: F811
         blocks = [([20, 21, 20], [-1, -1, -1]), ([30, 31, 32], [0, 0, 2]), ([40], [5])]
         region_tokens, region_parents = [], []
         for tokens, parents in blocks:
-            logits = forward1(model, cache, tokens, torch.tensor(parents), append=True)
+            logits = forward1(model, cache, tokens, torch.tensor(parents), append=True).logits
             region_tokens += tokens
             region_parents += parents
             base = len(region_tokens) - len(tokens)
@@ -52,7 +52,7 @@ def test_appended_depths_equal_path_forwards(target):  # noqa: F811
         cache.keep([2, 5, 6])  # keep the path 20 -> 32 -> 40 (rows 2, 5, 6)
         seq = seq + [20, 32, 40]
         assert cache.length == len(seq) == cache.get_seq_length() and len(cache.pending) == 0
-    assert (forward1(model, cache, [3])[0] - reference_logits(target, seq + [3])).abs().max() < 1e-4
+    assert (forward1(model, cache, [3]).logits[0] - reference_logits(target, seq + [3])).abs().max() < 1e-4
 
 
 def test_plain_forward_drops_the_pending_region(target):  # noqa: F811
@@ -63,7 +63,7 @@ def test_plain_forward_drops_the_pending_region(target):  # noqa: F811
     forward1(model, cache, [6, 7], append=True)
     forward1(model, cache, [8], append=True)  # parents=None with append: continues the last pending entry
     assert len(cache.pending) == 3 and cache.pending.tolist() == [-1, 0, 1]
-    logits = forward1(model, cache, [9])  # append=False: a fresh block after the committed cache
+    logits = forward1(model, cache, [9]).logits  # append=False: a fresh block after the committed cache
     assert len(cache.pending) == 1 and (logits[0] - reference_logits(target, [3, 4, 5, 9])).abs().max() < 1e-4
     cache.trim(2)
     assert cache.length == 2 and len(cache.pending) == 0

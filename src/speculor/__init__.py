@@ -6,13 +6,14 @@ torch or transformers.
 
 from importlib import import_module
 
-__all__ = ["DraftTree", "Generation", "KVCache", "Model", "Pair", "SamplingConfig", "Speculor", "SpeculorError",
-           "load_pair"]
+__all__ = ["DraftTree", "Generation", "KVCache", "Model", "Pair", "PairSpec", "SamplingConfig", "Speculor",
+           "SpeculorError", "load_pair"]
 __version__ = "0.1.0"
 
 _WHERE = {"Generation": "speculor.api", "Speculor": "speculor.api", "SamplingConfig": "speculor.config",
           "SpeculorError": "speculor.errors", "Model": "speculor.runtime.model", "KVCache": "speculor.runtime.cache",
-          "Pair": "speculor.runtime.loading", "load_pair": "speculor.runtime.loading",
+          "Pair": "speculor.runtime.backend", "PairSpec": "speculor.runtime.loading",
+          "load_pair": "speculor.runtime.choice",  # "auto" chosen, then runtime/loading.py loads
           "DraftTree": "speculor.core.tree"}
 
 

@@ -39,6 +39,10 @@ class Generation:
         return len(self.token_ids) / self.total_s if self.total_s > 0 else 0.0
 
 
+def _key(name: str, options: dict[str, Any]) -> tuple[str, str]:
+    return name, repr(sorted(options.items()))
+
+
 class Speculor:
     """A model pair with a default strategy; every call may name another strategy and its options.
 
@@ -71,10 +75,14 @@ class Speculor:
 
     def strategy_for(self, name: str, **options: Any) -> Strategy | None:
         """The shared part of strategy `name` with `options` (built on first use; SpeculorError if invalid)."""
-        key = (name, repr(sorted(options.items())))
+        key = _key(name, options)
         if key not in self._strategies:
             self._strategies[key] = make_strategy(name, self.pair, **options)
         return self._strategies[key]
+
+    def built(self, name: str, **options: Any) -> bool:
+        """Whether strategy `name` with `options` is built already (`strategy_for` then returns at once)."""
+        return _key(name, options) in self._strategies
 
     def forget(self) -> None:
         """Empty what the strategies built so far learned across requests (suffix's trie of outputs): the calls that

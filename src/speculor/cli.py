@@ -1,14 +1,26 @@
 """Command line: `speculor generate | bench | calibrate | profile | train-head | tune-threshold | fetch-models | serve |
 loadtest`.
-argparse lives here only; what the commands do is in commands.py."""
+argparse lives here only; what the commands do is in the commands package (one module per command)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from speculor import commands
-from speculor.commands import STRATEGIES, TAKEN_BY
+from speculor.commands import (
+    STRATEGIES,
+    TAKEN_BY,
+    bench,
+    boost_tune,
+    calibrate,
+    fetch_models,
+    generate,
+    loadtest,
+    profile,
+    serve,
+    train_head,
+    tune_threshold,
+)
 from speculor.errors import SpeculorError
 
 
@@ -197,13 +209,9 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-# `speculor serve`'s Ray Serve options, each a field of serving.ray_config.RaySettings
-RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_cpus", "replica_memory_gib",
-            "replica_gpus", "max_queued_requests", "drain_s")
-
-
 def _add_ray_args(s: argparse.ArgumentParser) -> None:
-    """`speculor serve --ray`: the same app on Ray Serve (serving/ray_serve.py); each option is RaySettings'."""
+    """`speculor serve --ray`: the same app on Ray Serve (serving/ray_serve.py); each option is RaySettings' (the
+    names: commands.RAY_ARGS)."""
     r = s.add_argument_group("Ray Serve", "with --ray: an ingress deployment with this server's routes in front of "
                              "replicas that each hold the model pair (docs/ray.md)")
     r.add_argument("--ray", action="store_true", help="serve on Ray Serve (a Ray instance started here, or "
@@ -299,10 +307,11 @@ def _add_tune_threshold_parser(sub) -> None:
     _add_model_args(u, backend="torch")  # specdecpp checks its head against the draft's transformers config
 
 
-COMMANDS = {name: getattr(commands, "cmd_" + name.replace("-", "_"))
-            for name in ("generate", "bench", "calibrate", "profile", "train-head", "boost-tune", "tune-threshold",
-                         "fetch-models",
-                         "serve", "loadtest")}
+COMMANDS = {"generate": generate.run, "bench": bench.run, "calibrate": calibrate.run, "profile": profile.run,
+            "train-head": train_head.run, "boost-tune": boost_tune.run, "tune-threshold": tune_threshold.run,
+            "fetch-models": fetch_models.run, "serve": serve.run, "loadtest": loadtest.run}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (a manifest records its command)

@@ -123,9 +123,22 @@ def queued(http: httpx.Client) -> tuple[bool, int]:
     return health["running"], health["queue_depth"]
 
 
+def prebuild(app, specs) -> None:
+    """Build the strategies the requests will name (each `speculative` body, None: the server's), as a server that
+    has served them before has: a request naming a new one waits for the step in progress to build it
+    (serving/scheduler.py `build`), so it could not queue behind a held target."""
+    srv = app.state.server
+    for spec in specs:
+        if spec is not None:
+            options = {k: v for k, v in spec.items() if k != "strategy"}
+            name, merged = srv.sp.options_for(spec.get("strategy"), options)
+            srv.sp.strategy_for(name, **merged)
+
+
 def post_together(pair: Pair, http: httpx.Client, post, n: int, timeout: float = 120) -> None:
     """Run post(i) for i < n in threads whose requests end up in one batch: while the target is held the first waits
-    in its prefill and the others queue in order; then they join the batch one by one."""
+    in its prefill and the others queue in order; then they join the batch one by one. The strategies they name must
+    be built already (`prebuild`)."""
     threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
     with hold_target(pair):
         for i, t in enumerate(threads):

@@ -43,6 +43,7 @@ class ToyConfig(PretrainedConfig):
         self.vocab_size = vocab_size
         self.max_position_embeddings = max_position_embeddings
         self.num_hidden_layers = 1  # one cache layer
+        self.hidden_size = vocab_size  # its hidden state at a position: the one-hot of the position's token
         super().__init__(**kwargs)
 
 

@@ -1,4 +1,4 @@
-"""`BenchConfig`: the options of one `speculor bench` run, validated once, frozen (built by commands.py)."""
+"""`BenchConfig`: the options of one `speculor bench` run, validated once, frozen (built by commands/bench.py)."""
 
 from __future__ import annotations
 

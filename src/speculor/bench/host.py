@@ -25,7 +25,7 @@ def plain_step_s(pair: Pair, rounds: int = 3) -> tuple[float, float | None]:
         stats = Stats()
         tokens = stream(pair.target, None, PROMPT, cfg, stats=stats)
         next(tokens)  # the prefill and the first step
-        k0, n0, t0 = getattr(pair.target, "kernel_s", None), len(stats.steps), time.perf_counter()
+        k0, n0, t0 = pair.target.kernel_s, len(stats.steps), time.perf_counter()
         for _tok in tokens:
             pass
         steps = stats.steps[n0:]

@@ -66,7 +66,7 @@ def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> di
 def kernel_s(pair: Pair) -> float | None:
     """Seconds the pair's models have spent in their kernels so far (llama.cpp's llama_decode), None where a
     backend does not count them (torch): the rest of a generation's wall time is host time."""
-    counts = [getattr(m, "kernel_s", None) for m in (pair.target, pair.draft) if m is not None]
+    counts = [m.kernel_s for m in (pair.target, pair.draft) if m is not None]
     return None if counts[0] is None else sum(c for c in counts if c is not None)
 
 
@@ -80,7 +80,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 @torch.inference_mode()
 def top2_gap(pair: Pair, prompt: list[int], plain: list[int], pos: int) -> float:
     """Target's top-2 logit gap where plain decoding chose plain[pos] (a near-tie explains a flip)."""
-    logits = forward1(pair.target, pair.target.new_cache(), prompt + plain[:pos], last=True)[-1]
+    logits = forward1(pair.target, pair.target.new_cache(), prompt + plain[:pos], last=True).logits[-1]
     top = torch.topk(logits.float(), 2).values
     return float(top[0] - top[1])
 
@@ -175,7 +175,7 @@ def _cost(sp: Speculor):
     """This machine's cost curve for the predicted speedups (profiled once if there is none); None without a draft."""
     if sp.pair.draft is None:
         return None
-    from speculor.runtime.cost import machine_cost
+    from speculor.runtime.profiling import machine_cost
 
     return machine_cost(sp.pair)
 

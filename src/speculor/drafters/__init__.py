@@ -1,1 +1,2 @@
-"""Drafters (per request) and strategies (per pair, shared): the shared base, one module per strategy, the registry."""
+"""Drafters (per request) and strategies (per pair, shared): the shared base and drafters, one module per strategy,
+the registry."""

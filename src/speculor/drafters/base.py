@@ -11,13 +11,14 @@ Two roles, kept apart so that many requests can share one model pair:
 
 A proposal yields what it needs from the outside world and receives the answer:
 
-    logits = yield Forward(model, Block(cache, rows, parents))      a draft forward: its result
+    rows = yield Forward(model, Block(cache, tokens, parents))       a draft forward: its result (`Rows`)
     joint = yield from ledger.round(...)                             a bid for a shared draft round (batch-aware)
 
 so the engine can run one round's draft forwards of many requests as ONE forward (engine/drafting.py; `drive`
 there runs one alone), and a reader sees every point where a drafter waits for the others. The shared helpers
-(`catch_up`, `feed`, `draw`, `keep_fed_path`, `keep_chain`) live here; the drafters in chain.py, static_tree.py,
-ngram.py, merged.py and one module per strategy. Notation of the papers: q is the draft distribution a token was
+(`catch_up`, `feed`, `draw`, `keep_fed_path`, `keep_chain`) live here; the drafters several strategies share in
+chain.py, static_tree.py, dynamic_tree.py, lookup.py, merged.py and heads.py (the EAGLE heads' pool), and one module
+per strategy, which imports no other strategy's. Notation of the papers: q is the draft distribution a token was
 drawn from.
 """
 
@@ -33,8 +34,7 @@ from speculor.config import SamplingConfig
 from speculor.core.sampling import check_finite, greedy, sample, warp
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
-from speculor.runtime.backend import Backend, Block
-from speculor.runtime.cache import KVCache
+from speculor.runtime.backend import Backend, Block, Cache
 
 if TYPE_CHECKING:
     from speculor.runtime.cost import CostModel
@@ -130,31 +130,32 @@ class Shared:
         return self.make()
 
 
-def behind(cache: KVCache, seq: list[int]) -> int:
+def behind(cache: Cache, seq: list[int]) -> int:
     """How many tokens `catch_up` would feed: the committed ones the draft cache lacks, at least the root."""
     return len(seq) - min(cache.length, len(seq) - 1)
 
 
-def catch_up(model: Backend, cache: KVCache, seq: list[int]) -> Generator[Forward, Any, torch.Tensor]:
+def catch_up(model: Backend, cache: Cache, seq: list[int]) -> Generator[Forward, Any, torch.Tensor]:
     """Feed the committed tokens the draft cache lacks (always at least the root); logits of the root."""
     cache.trim(len(seq) - 1)
     pending = seq[-behind(cache, seq):]
-    logits = (yield Forward(model, Block(cache, pending, last=True)))[-1]
+    logits = (yield Forward(model, Block(cache, pending, last=True))).logits[-1]
     cache.keep(list(range(len(pending))))
     return logits
 
 
-def feed(model: Backend, cache: KVCache, tokens: list[int],
+def feed(model: Backend, cache: Cache, tokens: list[int],
          parent_rows: list[int]) -> Generator[Forward, Any, tuple[torch.Tensor, list[int]]]:
     """One batched draft forward appending `tokens` to the pending region; parent_rows[i] is the pending row of
     row i's parent (-1 = the root, committed). Returns (logits [n, V], the rows given to the tokens)."""
     base = len(cache.pending)
-    logits = yield Forward(model, Block(cache, tokens, torch.tensor(parent_rows, dtype=torch.long), append=True))
+    logits = (yield Forward(model, Block(cache, tokens, torch.tensor(parent_rows, dtype=torch.long),
+                                         append=True))).logits
     check_finite(logits, "draft")
     return logits, list(range(base, base + len(tokens)))
 
 
-def keep_fed_path(cache: KVCache, rows: dict[int, int], path: list[int]) -> None:
+def keep_fed_path(cache: Cache, rows: dict[int, int], path: list[int]) -> None:
     """Commit the pending rows of the accepted path's fed prefix (top-down, so ascending), drop the rest."""
     keep = []
     for node in path:
@@ -164,7 +165,7 @@ def keep_fed_path(cache: KVCache, rows: dict[int, int], path: list[int]) -> None
     cache.keep(keep)
 
 
-def keep_chain(cache: KVCache, n_committed: int, accepted: int, fed: int) -> None:
+def keep_chain(cache: Cache, n_committed: int, accepted: int, fed: int) -> None:
     """After a chain of which `fed` tokens were fed (the cache holds seq, y_1..y_fed): keep the accepted y's."""
     cache.trim(n_committed + min(accepted, fed))
 

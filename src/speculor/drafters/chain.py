@@ -31,7 +31,7 @@ class ChainDrafter(Drafter):
             tokens.append(y)
             qs.append(q)
             if i < self.k - 1:
-                logits = (yield Forward(self.model, Block(self.cache, [y])))[-1]
+                logits = (yield Forward(self.model, Block(self.cache, [y]))).logits[-1]
                 self.cache.keep([0])
         self.forwards = self.k
         return DraftTree.chain(tokens, None if cfg.greedy else torch.stack(qs))

@@ -43,14 +43,14 @@ class CrossVocabDrafter(Drafter):
             return EMPTY
         keep = min(_common(self.ids, ids), len(ids) - 1)  # at least the last id is fed: its logits are the next's
         self.cache.trim(keep)
-        logits = (yield Forward(self.model, Block(self.cache, ids[keep:], last=True)))[-1]
+        logits = (yield Forward(self.model, Block(self.cache, ids[keep:], last=True))).logits[-1]
         self.cache.keep(list(range(len(ids) - keep)))
         drafted: list[int] = []
         for i in range(self.k):
             check_finite(logits, "draft")
             drafted.append(greedy(logits))
             if i < self.k - 1:
-                logits = (yield Forward(self.model, Block(self.cache, drafted[-1:], last=True)))[-1]
+                logits = (yield Forward(self.model, Block(self.cache, drafted[-1:], last=True))).logits[-1]
                 self.cache.keep([0])
         self.ids = ids + drafted[:-1]
         self.forwards = self.k

@@ -42,8 +42,7 @@ from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import Drafter, Proposal, Shared, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Backend
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Backend, Pair
 
 STAT_KEYS = ("drafted", "verified", "merges", "tokens_saved", "fed_rows", "rows_saved", "forwards", "forwards_saved")
 

@@ -19,13 +19,14 @@ from speculor.drafters.cross_vocab import CrossVocabDrafter
 from speculor.drafters.dyspec import make_dyspec
 from speculor.drafters.eagle import make_eagle
 from speculor.drafters.gsd import make_gsd
+from speculor.drafters.ngram import make_ngram
 from speculor.drafters.sequoia import make_sequoia
 from speculor.drafters.specdecpp import make_specdecpp
-from speculor.drafters.specinfer import make_ngram, make_specinfer
+from speculor.drafters.specinfer import make_specinfer
 from speculor.drafters.suffix import make_suffix
 from speculor.drafters.topk_tree import make_topk_tree
 from speculor.errors import SpeculorError
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Pair
 
 
 def _chain(pair: Pair, k: int = 4) -> Shared:

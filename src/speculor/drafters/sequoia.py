@@ -29,9 +29,9 @@ from speculor.drafters.base import BatchAware, BatchLedger, Proposal
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir, slug
-from speculor.runtime.backend import Backend
-from speculor.runtime.cost import CostModel, machine_cost
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Backend, Pair
+from speculor.runtime.cost import CostModel
+from speculor.runtime.profiling import machine_cost
 
 logger = logging.getLogger("speculor")
 
@@ -203,11 +203,11 @@ class SequoiaPlans:
 
             (T_o + F(T)) / (D_o + draft(T) + t_target(R_o + |T| + 1))   against   (T_o + 1) / (D_o + t_target(R_o + 1))
         """
-        if ledger.filling:  # prompt chunks in the step: drafting would hold up their requests (dyspec.py)
+        if ledger.filling:  # prompt chunks in the step: drafting would hold up their requests (dynamic_tree.py)
             return None
         t_o, r_o, d_o = goodput.others(ledger, self.cost)
         best, best_rate = None, margin * goodput.rate(self.cost, t_o + 1, r_o + 1, d_o)
-        for c in self.choices(cfg):  # draft(T) as alone: a shared round is mostly paid whoever drafts (dyspec.py)
+        for c in self.choices(cfg):  # draft(T) as alone: a shared round is mostly paid whoever drafts (dynamic_tree.py)
             draft_s = c.step_s - self.cost.t_target(c.n)
             rate = goodput.rate(self.cost, t_o + c.expected_tokens, r_o + c.n, d_o + draft_s)
             if rate > best_rate:

@@ -41,10 +41,9 @@ from speculor.drafters.base import Drafter, Forward, Proposal, Shared, catch_up,
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
 from speculor.runtime.assets import cache_dir
-from speculor.runtime.backend import Backend, Block
-from speculor.runtime.cost import machine_cost
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Backend, Block, Pair
 from speculor.runtime.model import Model
+from speculor.runtime.profiling import machine_cost
 
 logger = logging.getLogger(__name__)
 
@@ -251,11 +250,11 @@ class SpecDecPPDrafter(Drafter):
             qs.append(q)
             if rule.stop(len(tokens), cum):
                 break
-            out, hidden = yield Forward(self.model, Block(self.cache, [y], hidden=True))
+            rows = yield Forward(self.model, Block(self.cache, [y], hidden=True))
             self.cache.keep([0])
-            self.p_hat.append(float(self.head.accept_prob(hidden[-1])))
+            self.p_hat.append(float(self.head.accept_prob(rows.hidden[-1])))
             cum *= self.p_hat[-1]
-            logits = out[-1]
+            logits = rows.logits[-1]
         self.forwards = self.k = len(tokens)
         return DraftTree.chain(tokens, None if cfg.greedy else torch.stack(qs))
 

@@ -1,4 +1,4 @@
-"""SpecInfer (docs/algorithms.md §3) and prompt lookup as strategies: option parsing and drafter builders.
+"""SpecInfer (docs/algorithms.md §3) as a strategy: option parsing and its drafter builder.
 
     specinfer   expansion-based token trees: a static config ⟨k1, ..., km⟩ (every node at depth i - 1 gets
                 k_i children; the paper's ⟨1,1,3,1,1,1,1,1⟩ by default) with children drawn i.i.d. from the
@@ -6,14 +6,13 @@
                 greedy matching at temperature 0. Merge-based with `drafters`: several drafters' trees merged
                 by identical prefixes (`tree.merge`, exact: one residual update per original draw, each with
                 the law of the drafter that drew it).
-    ngram       model-free prompt lookup (`base.NgramDrafter`): deterministic drafts, point-mass rule.
 
 Options are given as Python values or as strings the bench/CLI can pass (no ',' or ':' needed):
     expansion   "1-1-3-1-1-1-1-1", "1,1,3", "4", a tuple (1, 1, 3) or an int
     drafters    items joined by '+' or ',', or a sequence: "draft" (the draft model at the sampling
                 temperature), "draft@T" (the draft model drawing at temperature T > 0, with its own cache),
-                "ngram" (prompt lookup, chains as deep as the expansion), "boosted" (every SSM of the
-                boost-tuned pool on the target's features, drafters/eagle.py), or any Drafter object
+                "ngram" (prompt lookup, lookup.py: chains as deep as the expansion), "boosted" (every SSM of
+                the boost-tuned pool on the target's features, drafters/heads.py), or any Drafter object
     heads       the pool's folder for "boosted" (default: the shipped pool of the embedded target)
 """
 
@@ -26,13 +25,13 @@ from typing import Any
 
 from speculor.core.tree import expansion_shape
 from speculor.drafters.base import Drafter, Shared
+from speculor.drafters.heads import boosted_drafter, pool
+from speculor.drafters.lookup import NgramDrafter
 from speculor.drafters.merged import MergedDrafter
-from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Backend
-from speculor.runtime.cost import machine_cost
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Backend, Pair
+from speculor.runtime.eagle_head import HeadModel
 
 PAPER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's experiments
 BOOSTED_EXPANSION = (1, 1)  # with drafters=boosted: a chain of 2 per SSM (the pool's heads, 3 by default, add up)
@@ -104,15 +103,12 @@ def make_specinfer(pair: Pair, expansion: str | int | Sequence[int] | None = Non
         raise SpeculorError("strategy 'specinfer' with a 'draft' drafter needs a draft model")
     if heads is not None and not boosted:
         raise SpeculorError("specinfer's heads option is for drafters=boosted")
-    pool = None
-    if boosted:
-        from speculor.drafters.eagle import pool as load_pool
-
-        pool = load_pool(pair, heads)
-    return Shared(partial(_specinfer_drafter, pair.draft, expansion_shape(list(ks)), len(ks), items, pool))
+    ssms = pool(pair, heads) if boosted else None
+    return Shared(partial(_specinfer_drafter, pair.draft, expansion_shape(list(ks)), len(ks), items, ssms))
 
 
-def _specinfer_drafter(draft: Backend | None, shape: list[int], depth: int, items: list[Any], pool=None) -> Drafter:
+def _specinfer_drafter(draft: Backend | None, shape: list[int], depth: int, items: list[Any],
+                       ssms: list[HeadModel] | None = None) -> Drafter:
     subs: list[Drafter] = []
     for item in items:
         if not isinstance(item, tuple):
@@ -121,21 +117,6 @@ def _specinfer_drafter(draft: Backend | None, shape: list[int], depth: int, item
             subs.append(NgramDrafter(k=depth))
         elif item[0] == "draft":
             subs.append(TreeDrafter(draft, shape, "iid", temperature=item[1]))
-    if pool is not None:  # the pool's SSMs first, over one store of the request's features
-        from speculor.drafters.eagle import boosted_drafter
-
-        return boosted_drafter(pool, lambda view: TreeDrafter(view, shape, "iid"), subs)
+    if ssms is not None:  # the pool's SSMs first, over one store of the request's features
+        return boosted_drafter(ssms, lambda view: TreeDrafter(view, shape, "iid"), subs)
     return subs[0] if len(subs) == 1 else MergedDrafter(subs)
-
-
-def make_ngram(pair: Pair, k: int = 8, n: int = 3, branches: int = 1, budget: str | None = None) -> Shared:
-    """Builder of the `ngram` strategy: k tokens per continuation, n-grams of n down to 1 tokens, up to
-    `branches` distinct continuations merged into a tree. budget "auto": cut to the length this machine's cost
-    curve says pays (ngram.py); "k": always k. Default: auto on llama.cpp (t(n) grows with n), k on torch."""
-    if budget is None:
-        budget = "auto" if pair.backend == "llama.cpp" else "k"
-    if budget not in ("auto", "k"):
-        raise SpeculorError(f"ngram's budget is 'auto' or 'k', got {budget!r}")
-    NgramDrafter(k=k, n=n, branches=branches)  # validates the options
-    cost = machine_cost(pair) if budget == "auto" else None
-    return Shared(partial(NgramDrafter, k=k, n=n, branches=branches, cost=cost))

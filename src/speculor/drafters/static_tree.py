@@ -15,8 +15,7 @@ from speculor.core.tree import DraftTree, check_shape, shape_levels
 from speculor.core.verify import Verdict
 from speculor.drafters.base import Drafter, Proposal, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Backend
-from speculor.runtime.cache import KVCache
+from speculor.runtime.backend import Backend, Cache
 
 
 def draw_children(logits: torch.Tensor, k: int, cfg: SamplingConfig, draw: Literal["iid", "swor"],
@@ -47,7 +46,7 @@ class TreeDrafter(Drafter):
     """
 
     def __init__(self, model: Backend, shape: Sequence[int], draw: Literal["iid", "swor"] = "iid",
-                 temperature: float | None = None, cache: KVCache | None = None) -> None:
+                 temperature: float | None = None, cache: Cache | None = None) -> None:
         if draw not in ("iid", "swor"):
             raise SpeculorError(f"a tree drafter draws 'iid' or 'swor', got {draw!r}")
         if temperature is not None and not (isinstance(temperature, (int, float)) and 0 < temperature < 1e6):

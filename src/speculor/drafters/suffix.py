@@ -44,10 +44,10 @@ from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchAware, Drafter, Proposal, Strategy
 from speculor.errors import SpeculorError
-from speculor.runtime.cost import machine_cost
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Pair
+from speculor.runtime.profiling import machine_cost
 
-DEFAULT_BUDGET = 16  # draft tokens per step on torch (rows nearly free); llama.cpp: "auto"
+DEFAULT_BUDGET = 16  # draft tokens per step where the target's rows are cheap (torch); else "auto" (llama.cpp)
 AUTO_CAP = 64  # most draft tokens per step with budget "auto"
 PRIOR = 2.0  # pseudo-tokens of trust 1: the counts are taken at their word until steps say otherwise
 DECAY = 0.9  # what is kept of the trust's sums at each step that drafts nothing
@@ -198,8 +198,9 @@ def switch(value: object, name: str) -> bool:
 def make_suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24, min_prob: float = 0.1,
                 shared: bool | str = True, max_tokens: int = 16384, fallback: Strategy | None = None) -> SuffixStrategy:
     """Builder of the `suffix` strategy (SuffixOptions; shared also as on/off; fallback: a strategy built by the
-    registry, module docstring). Default budget: "auto" on llama.cpp (t(n) grows with n), DEFAULT_BUDGET on torch."""
+    registry, module docstring). Default budget: DEFAULT_BUDGET where the target's rows are cheap (torch), else "auto"
+    (llama.cpp: t(n) grows with n)."""
     if budget is None:
-        budget = "auto" if pair.backend == "llama.cpp" else DEFAULT_BUDGET
+        budget = DEFAULT_BUDGET if pair.target.cheap_rows else "auto"
     opts = SuffixOptions(budget, max_depth, min_prob, switch(shared, "shared"), max_tokens)
     return SuffixStrategy(opts, machine_cost(pair) if opts.budget == "auto" else None, fallback)

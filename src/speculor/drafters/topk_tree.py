@@ -34,8 +34,7 @@ from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
 from speculor.drafters.base import Drafter, Proposal, Shared, catch_up, feed, keep_fed_path
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Backend
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Backend, Pair
 
 
 @dataclass(frozen=True)

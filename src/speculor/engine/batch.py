@@ -70,10 +70,10 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
     blocks = [Block(a.req.cache, chunks[id(a)], hidden=reads_features(a.req)) for a in filling]
     t1 = time.perf_counter()
-    all_logits = target.forward(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
+    results = target.forward(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
     t2 = time.perf_counter()
     emitted: dict[int, list[Token]] = {}
-    for a, out in zip(filling, all_logits, strict=False):
+    for a, out in zip(filling, results, strict=False):
         keep_features(a.req, len(a.req.seq) - 1 - a.req.unfilled, out)
         n = len(chunks[id(a)])
         a.req.cache.keep(list(range(n)))
@@ -82,9 +82,9 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
         if memory and not a.req.unfilled:
             memory.remember(a.req.cache, _prompt(a.req), chunk)
         emitted[id(a)] = []
-    for a, tree, logits in zip(decoding, trees, all_logits[len(filling):], strict=True):
+    for a, tree, out in zip(decoding, trees, results[len(filling):], strict=True):
         t = time.perf_counter()
-        verdict = settle(a.req, tree, logits)
+        verdict = settle(a.req, tree, out)
         emitted[id(a)], a.done = emit(a.req, tree, verdict, a.eos_ids)
         d_s = share if a.req.drafter is not None else 0.0
         a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, t2 - t1, time.perf_counter() - t))

@@ -199,7 +199,7 @@ def rounds(proposals: Sequence[Proposal], apart: bool, joint: bool = True,
                 live = [t for t in live if not t.done]
             by_model: dict[int, list[_Turn]] = {}
             for t in live:  # requests' views of one model (a head's, drafters/eagle.py) batch as that model
-                by_model.setdefault(id(getattr(t.ask.model, "shared", t.ask.model)), []).append(t)
+                by_model.setdefault(id(t.ask.model.shared), []).append(t)
             for group in by_model.values():
                 results = group[0].ask.model.forward([t.ask.block for t in group], apart=apart)
                 for t, result in zip(group, results, strict=True):

@@ -1,7 +1,7 @@
 """The decoding loop: one step = propose a draft tree, one target forward over it, verify, commit.
 
     drafter.propose(seq) -> DraftTree                                  (its draft forwards: engine/drafting.py)
-    target.forward([Block(cache, [root] + tree.tokens, tree parents)]) -> logits per node
+    target.forward([Block(cache, [root] + tree.tokens, tree parents)]) -> Rows: logits per node
     verify_greedy / verify_sampled -> accepted path + recovered/bonus token
     cache.keep(root + path)      drafter.observe(verdict)      yield Token ...
 
@@ -27,8 +27,7 @@ from speculor.core.tree import EMPTY, DraftTree, block_parents
 from speculor.core.verify import Verdict, verify_greedy, verify_sampled
 from speculor.drafters.base import Drafter
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Backend, Block, forward1
-from speculor.runtime.cache import KVCache
+from speculor.runtime.backend import Backend, Block, Cache, Rows, forward1
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Request:
 
     seq: list[int]
     cfg: SamplingConfig
-    cache: KVCache
+    cache: Cache
     drafter: Drafter | None
     generator: torch.Generator | None
     stats: Stats
@@ -101,7 +100,7 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
     if prefill and req.unfilled:  # its logits are not needed: the first step scores the root
         out = forward1(target, req.cache, prompt[:-1], last=True, hidden=reads_features(req))
         # the features of the prefill's rows, or of its last rows alone (llama.cpp computes only the wanted ones)
-        keep_features(req, req.unfilled - len(out[1]) if isinstance(out, tuple) else 0, out)
+        keep_features(req, req.unfilled - len(out.hidden) if out.hidden is not None else 0, out)
         req.cache.keep(list(range(req.unfilled)))
         req.unfilled = 0
     stats.prefill_s = time.perf_counter() - t0
@@ -141,18 +140,17 @@ def reads_features(req: Request) -> bool:
     return getattr(req.drafter, "store", None) is not None and getattr(req.drafter, "reads_features", True)
 
 
-def keep_features(req: Request, start: int, out, rows: list[int] | None = None) -> None:
+def keep_features(req: Request, start: int, out: Rows, rows: list[int] | None = None) -> None:
     """A target forward's hidden states, if its result has them (`rows` of them, all by default), to the drafter's
     store as the features of positions start, start + 1, ..."""
-    if isinstance(out, tuple):
-        hidden = out[1]
-        req.drafter.store.put(start, hidden if rows is None else hidden[rows])
+    if out.hidden is not None:
+        req.drafter.store.put(start, out.hidden if rows is None else out.hidden[rows])
 
 
-def settle(req: Request, tree: DraftTree, out) -> Verdict:
+def settle(req: Request, tree: DraftTree, out: Rows) -> Verdict:
     """Verify a request's tree against the target's logits for it (`out`: the block's result), commit the accepted
     path, give the drafter the target's features of the root and the path (where it reads them), tell it."""
-    logits = out[0] if isinstance(out, tuple) else out
+    logits = out.logits
     check_finite(logits, "target")
     cfg = req.cfg
     logits = adjusted(logits, cfg, req.seq, req.produced, tree)  # the request's bias and penalties, row by row
@@ -192,7 +190,7 @@ def _step(target: Backend, req: Request) -> tuple[Verdict, DraftTree, Step]:
     t0 = time.perf_counter()
     tree = propose(req)
     t1 = time.perf_counter()
-    (logits,) = target.forward([block(req, tree)])
+    (out,) = target.forward([block(req, tree)])
     t2 = time.perf_counter()
-    verdict = settle(req, tree, logits)
+    verdict = settle(req, tree, out)
     return verdict, tree, record(req.drafter, verdict, tree, t1 - t0, t2 - t1, time.perf_counter() - t2)

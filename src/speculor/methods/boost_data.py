@@ -86,12 +86,12 @@ class HFSource(FeatureSource):
     """A transformers causal LM: sequences of similar length batched, right-padded, on the model's device."""
 
     def __init__(self, model, tokens_per_batch: int = 16384) -> None:
-        from speculor.runtime.eagle_head import torch_embedding
+        from speculor.runtime.model import token_embedding
 
         self.model, self.tpb = model.eval(), tokens_per_batch
         self.hidden_size = model.config.hidden_size
         self.device = model.get_input_embeddings().weight.device
-        self.embed = torch_embedding(model)
+        self.embed = token_embedding(model)
 
     @torch.inference_mode()
     def run(self, seqs, progress: bool = True):
@@ -143,22 +143,23 @@ class BackendSource(FeatureSource):
     chunks of `chunk` rows; greedy answers by the engine's plain decoding (this backend's own greedy tokens)."""
 
     def __init__(self, target, chunk: int = 256) -> None:
-        from speculor.runtime.eagle_head import GGUFRows
+        from speculor.runtime.gguf_rows import GGUFRows
 
         self.target, self.chunk = target, chunk
         self.hidden_size = target.hidden_size
-        self.embed = GGUFRows(target.path, ["token_embd.weight"])
+        self.embed = target.embedding()
         self._out = GGUFRows(target.path, ["output.weight", "token_embd.weight"])
 
     def run(self, seqs, progress: bool = True):
         out = []
         for ids in tqdm(seqs, desc="teacher forcing", unit="seq", disable=not progress):
             parts = self._chunks(self.target, ids, hidden=True)
-            out.append((torch.cat([h for _, h in parts]), *lse_greedy([lg.float() for lg, _ in parts])))
+            out.append((torch.cat([r.hidden for r in parts]), *lse_greedy([r.logits.float() for r in parts])))
         return out
 
     def _chunks(self, model, ids: list[int], hidden: bool = False) -> list:
-        """A model's results over a sequence in blocks of `chunk` rows (each continuing the pending chain)."""
+        """A model's results (`Rows`) over a sequence in blocks of `chunk` rows (each continuing the pending
+        chain)."""
         from speculor.runtime.backend import Block
 
         cache = model.new_cache()
@@ -178,7 +179,7 @@ class BackendSource(FeatureSource):
 
     def greedy_tokens(self, model, seqs: Sequence[list[int]]) -> torch.Tensor:
         """Another model's (a draft's) greedy token at every position of the sequences, concatenated."""
-        return torch.cat([lg.argmax(-1) for ids in seqs for lg in self._chunks(model, ids)])
+        return torch.cat([r.logits.argmax(-1) for ids in seqs for r in self._chunks(model, ids)])
 
 
 @dataclass

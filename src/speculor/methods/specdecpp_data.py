@@ -103,9 +103,9 @@ def mix(x: torch.Tensor, y: torch.Tensor, r: float, generator: torch.Generator |
 
 def teacher_logits(model: Model, cache: KVCache, prompt: list[int], x: list[int]) -> torch.Tensor:
     """Logits [len(x), V] predicting X_0..X_{n-1} on prompt + X_<i; the prompt stays committed in `cache`."""
-    first = forward1(model, cache, prompt, last=True)
+    first = forward1(model, cache, prompt, last=True).logits
     cache.keep(list(range(len(prompt))))
-    return torch.cat([first, forward1(model, cache, x[:-1])]) if len(x) > 1 else first
+    return torch.cat([first, forward1(model, cache, x[:-1]).logits]) if len(x) > 1 else first
 
 
 def sequence_features(pair: Pair, prompt: list[int], x: list[int], cfg: DataConfig,
@@ -124,7 +124,7 @@ def sequence_features(pair: Pair, prompt: list[int], x: list[int], cfg: DataConf
     y = torch.multinomial(q_t, 1, generator=generator)[:, 0]
     labels = soft_labels(p_logits, q_logits, y)
     z, from_y = mix(torch.tensor(x), y, cfg.mixing_ratio, generator)
-    _, hidden = forward1(pair.draft, draft_cache, z, hidden=True, last=True)  # after the committed prompt
+    hidden = forward1(pair.draft, draft_cache, z, hidden=True, last=True).hidden  # after the committed prompt
     return hidden[from_y].float(), labels[from_y]
 
 
@@ -189,7 +189,7 @@ def draft_kernel(draft: Model) -> str:
     """How the draft's matmuls ran when its hidden states were taken (the head should see the engine's)."""
     from speculor.runtime.kernels import linear_kinds
 
-    return f"{linear_kinds(draft.model)} on {draft.device}, {str(draft.dtype).removeprefix('torch.')}"
+    return f"{linear_kinds(draft.model)} on {draft.device}, {draft.weights}"
 
 
 def _write_shard(path: Path, rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from speculor.runtime.pending import PendingRows
+
 CAPACITY = 256  # slots allocated at first; doubled whenever a forward would overflow them
 
 
@@ -74,13 +76,13 @@ class SlotLayer(DynamicLayer):
             self._set(min(self.n, n))
 
 
-class KVCache(Cache):
-    """The KV cache of one request for one model (see the module docstring)."""
+class KVCache(Cache, PendingRows):
+    """The KV cache of one request for one model (see the module docstring); `length` and the pending rows are
+    `PendingRows`' bookkeeping."""
 
     def __init__(self) -> None:
-        super().__init__(layer_class_to_replicate=SlotLayer)
-        self.length = 0  # committed entries
-        self.pending = torch.zeros(0, dtype=torch.long)  # parents of the pending rows (region indices)
+        Cache.__init__(self, layer_class_to_replicate=SlotLayer)
+        PendingRows.__init__(self)
 
     def keep(self, rows: list[int]) -> None:
         """Commit the pending rows `rows` (region indices, ascending) after the committed entries; drop the rest."""
@@ -95,7 +97,6 @@ class KVCache(Cache):
 
     def trim(self, n: int) -> None:
         """Forget every entry from slot n on (pending rows included)."""
-        self.length = min(self.length, n)
-        self.pending = self.pending[: max(n - self.length, 0)]
+        self.cut(n)
         for layer in self.layers:
             layer.trim(n)

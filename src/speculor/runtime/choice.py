@@ -1,7 +1,7 @@
 """`--backend auto`: the backend whose measured cost curves predict the most tokens/s for a pair on this machine.
 
 For each candidate (torch, and llama.cpp where the pair is GGUF, the device a CPU and llama-cpp-python installed)
-the pair is loaded once and its cost curve measured (runtime/cost.py, cached). The prediction is the best chain
+the pair is loaded once and its cost curve measured (runtime/profiling.py, cached). The prediction is the best chain
 of k = 0..8 draft tokens under the pair's measured top-1 acceptance a (`acceptance`: the built-in Sequoia calibration
 at T = 0):
 
@@ -10,6 +10,9 @@ at T = 0):
 The choice and both predictions are cached per machine, threads and pair, and said on stderr. Where torch is the only
 candidate (a GPU, a model that is not GGUF, llama-cpp-python missing, a torch-only option) nothing is measured: the
 choice and why are said on stderr all the same.
+
+"auto" is resolved before loading (`resolve`): this module calls runtime/loading.py, never the reverse; its
+`load_pair` (resolve, then load) is `speculor.load_pair`.
 """
 
 from __future__ import annotations
@@ -18,11 +21,18 @@ import gc
 import json
 import platform
 import sys
+from dataclasses import replace
 from importlib import resources
+from typing import Any
+
+import torch
 
 from speculor.errors import SpeculorError
-from speculor.runtime import embedded
+from speculor.runtime import embedded, loading
 from speculor.runtime.assets import cache_dir, slug
+from speculor.runtime.backend import Pair
+from speculor.runtime.loading import PairSpec
+from speculor.runtime.profiling import machine_cost
 
 CHAIN = range(0, 9)
 
@@ -70,9 +80,6 @@ def say(chosen: str, why: str) -> str:
 def choose(target: str, draft: str | None, *, device: str, threads: int, only_torch: str = "") -> str:
     """The backend predicted fastest (module docstring); measured once per machine, threads and pair. only_torch: why
     an option of the caller's needs torch (e.g. --draft-vocab), if one does."""
-    from speculor.runtime.cost import machine_cost
-    from speculor.runtime.loading import load_pair
-
     target, draft = embedded.named(target, draft)
     why = only_torch or torch_only(target, draft, device)
     if why:
@@ -88,7 +95,7 @@ def choose(target: str, draft: str | None, *, device: str, threads: int, only_to
         a = acceptance(target, draft)
         record = {"acceptance": a, "predicted": {}}
         for name in names:
-            pair = load_pair(target, draft, device=device, backend=name, threads=threads)
+            pair = loading.load_pair(PairSpec(target, draft, device=device, backend=name, threads=threads))
             rate, k = predicted(machine_cost(pair), a)
             record["predicted"][name] = {"tokens_per_s": rate, "chain": k}
             del pair
@@ -102,3 +109,21 @@ def choose(target: str, draft: str | None, *, device: str, threads: int, only_to
     said = ", ".join(f"{n} {p['tokens_per_s']:.1f} tokens/s (chain k={p['chain']})" for n, p in pred.items())
     return say(chosen, f"predicted {said} from the measured cost curves (top-1 acceptance "
                f"{record['acceptance']:.2f}; cached in {path})")
+
+
+def resolve(spec: PairSpec) -> PairSpec:
+    """The spec with a concrete backend: "auto" becomes `choose`'s choice, once the device is checked (a device that
+    cannot run is refused before anything is measured); any other backend is kept."""
+    if spec.backend != "auto":
+        return spec
+    loading.check_device(spec.device, spec.offload)
+    only_torch = "--draft-vocab restricts a torch draft's head" if spec.draft_vocab else ""
+    backend = choose(spec.target, spec.draft, device=spec.device, threads=spec.threads or torch.get_num_threads(),
+                     only_torch=only_torch)
+    return replace(spec, backend=backend)
+
+
+def load_pair(spec: PairSpec | str = "default", *args: Any, **options: Any) -> Pair:
+    """`speculor.load_pair`: the pair of a PairSpec, or of its fields (`load_pair()`, `load_pair("default", None,
+    backend="torch")`), backend "auto" chosen first (`resolve`), then loaded (runtime/loading.py)."""
+    return loading.load_pair(resolve(PairSpec.of(spec, *args, **options)))

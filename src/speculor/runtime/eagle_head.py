@@ -30,14 +30,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from speculor.config import check_int
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Block
+from speculor.runtime.backend import Block, Rows
+from speculor.runtime.pending import PendingRows
 
 FP32_KEYS = ("f_mu", "f_sigma", "e_mu", "e_sigma")  # kept in fp32 when saved: means ~100 beside stds ~0.2
 KEEP = 8  # committed features a store keeps (a head row needs only its parent's)
@@ -183,36 +183,29 @@ class FeatureStore:
         self.f.clear()
 
 
-class HeadCache:
-    """A request's entries for a head, with KVCache's interface (`length`, `pending`, `keep`, `trim`): per pending
-    row its parent, token and predicted feature ŝ; `tip` = ŝ of the last committed entry (None: unknown)."""
+class HeadCache(PendingRows):
+    """A request's entries for a head, a `Cache` (runtime/backend.py): the pending rows' bookkeeping
+    (runtime/pending.py) and per pending row its token and predicted feature ŝ; `tip` = ŝ of the last committed
+    entry (None: unknown)."""
 
     def __init__(self, store: FeatureStore, hidden_size: int) -> None:
+        super().__init__()
         self.store, self.zero = store, torch.zeros(hidden_size)
-        self.length = 0
-        self.parents: list[int] = []
-        self.depth: list[int] = []
         self.tokens: list[int] = []
         self.s: list[torch.Tensor | None] = []  # predicted standardised features of the pending rows
         self.tip: torch.Tensor | None = None
 
-    @property
-    def pending(self) -> torch.Tensor:
-        return torch.tensor(self.parents, dtype=torch.long)
-
     def append(self, tokens: list[int], parents: list[int]) -> None:
-        for t, p in zip(tokens, parents, strict=True):
-            assert -1 <= p < len(self.parents), "a row's parent comes before it"
-            self.parents.append(p)
-            self.depth.append(0 if p < 0 else self.depth[p] + 1)
-            self.tokens.append(t)
-            self.s.append(None)
+        if len(tokens) != len(parents):
+            raise ValueError(f"{len(tokens)} tokens, {len(parents)} parents")
+        self.add(parents)
+        self.tokens += tokens
+        self.s += [None] * len(tokens)
 
     def keep(self, rows: list[int]) -> None:
         """Commit the pending rows `rows` (a path down from the committed tip, ascending); drop the rest."""
         if rows:
-            assert all(self.parents[r] == q for q, r in zip([-1] + rows[:-1], rows, strict=True)), \
-                "the rows kept form a path from the committed tip"
+            assert self.is_path(rows), "the rows kept form a path from the committed tip"
             self.tip = self.s[rows[-1]]
             self.length += len(rows)
         self.trim(self.length)
@@ -220,10 +213,11 @@ class HeadCache:
     def trim(self, n: int) -> None:
         """Forget every entry from slot n on (pending rows included: only a chain's may be partly kept)."""
         if n < self.length:
-            self.length, self.tip = n, None
-        keep = min(max(n - self.length, 0), len(self.parents))
-        assert self.parents[:keep] == list(range(-1, keep - 1)), "only a chain's pending rows are partly kept"
-        del self.parents[keep:], self.depth[keep:], self.tokens[keep:], self.s[keep:]
+            self.tip = None
+        keep = self.kept(n)
+        assert self.is_chain(keep), "only a chain's pending rows are partly kept"
+        del self.tokens[keep:], self.s[keep:]
+        self.cut(n)
 
     def parent_feature(self, row: int) -> tuple[torch.Tensor, bool] | None:
         """What pending row `row`'s token follows: (the target's raw feature, True) where the target computed it,
@@ -249,9 +243,14 @@ class HeadModel:
         self.vocab_size, self.context_length = vocab_size, context_length
         self.eos_ids: frozenset[int] = frozenset()
         self.device = head.ids.device
-        self.dtype = "eagle"
+        self.weights = str(head.out.weight.dtype).removeprefix("torch.")
+        self.hidden_size = head.cfg.hidden_size
+        self.cells, self.cheap_rows, self.kernel_s = None, True, None  # a request's cache is its own; not counted
         self.shared = self
         self.ids = head.ids.cpu()
+
+    def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.embed
 
     @property
     def cost_key(self) -> str:
@@ -265,8 +264,9 @@ class HeadModel:
         return HeadCache(FeatureStore(), self.head.cfg.hidden_size)
 
     @torch.inference_mode()
-    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[torch.Tensor]:
-        """Per block: logits [n, V] (-inf outside the head's ids), [1, V] with `last`. Rows are computed in waves
+    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
+        """Per block its `Rows`: logits [n, V] (-inf outside the head's ids), [1, V] with `last`; no hidden states
+        (`Block.hidden` is not read: a head's features are its cache's ŝ). Rows are computed in waves
         (a row once its parent's feature is known), every block's rows of a wave in one head forward; a row's
         result depends on its own inputs alone (`apart` holds always)."""
         need = [self._rows(b) for b in blocks]
@@ -291,7 +291,7 @@ class HeadModel:
             keep = [max(lg)] if b.last else sorted(lg)
             full = torch.full((len(keep), self.vocab_size), float("-inf"))
             full[:, self.ids] = torch.stack([lg[r] for r in keep]).float().cpu()
-            result.append(full)
+            result.append(Rows(full))
         return result
 
     @staticmethod
@@ -325,53 +325,18 @@ class HeadView:
     def __init__(self, model: HeadModel, store: FeatureStore) -> None:
         self.model, self.store, self.shared = model, store, model
         self.vocab_size, self.context_length = model.vocab_size, model.context_length
-        self.eos_ids, self.device, self.dtype = model.eos_ids, model.device, model.dtype
+        self.eos_ids, self.device, self.weights = model.eos_ids, model.device, model.weights
+        self.hidden_size, self.cells, self.cheap_rows, self.kernel_s = model.hidden_size, None, True, None
 
     @property
     def cost_key(self) -> str:
         return self.model.cost_key
 
+    def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.model.embed
+
     def new_cache(self) -> HeadCache:
         return HeadCache(self.store, self.model.head.cfg.hidden_size)
 
-    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[torch.Tensor]:
+    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
         return self.model.forward(blocks, apart=apart)
-
-
-# ---------------------------------------------------------------- the target's token embedding
-
-
-def torch_embedding(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """e(ids) from a transformers model's input embedding."""
-    weight = model.get_input_embeddings().weight
-
-    def embed(ids: torch.Tensor) -> torch.Tensor:
-        return weight[ids.to(weight.device)].float()
-
-    return embed
-
-
-class GGUFRows:
-    """Rows of one tensor of a GGUF file, dequantised on demand (gguf's own dequantisation) and remembered."""
-
-    def __init__(self, path: str | Path, names: Sequence[str]) -> None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        found = {t.name: t for t in reader.tensors}
-        name = next((n for n in names if n in found), None)
-        if name is None:
-            raise SpeculorError(f"{path} has none of the tensors {list(names)}")
-        self.tensor, self.rows = found[name], {}
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        from gguf.quants import dequantize
-
-        wanted = [int(i) for i in ids.tolist()]
-        missing = sorted({i for i in wanted if i not in self.rows})
-        if missing:
-            data = np.asarray(self.tensor.data)
-            rows = dequantize(data[missing], self.tensor.tensor_type)
-            for i, row in zip(missing, rows, strict=True):
-                self.rows[i] = torch.from_numpy(np.array(row, dtype=np.float32))
-        return torch.stack([self.rows[i] for i in wanted])

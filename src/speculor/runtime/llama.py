@@ -41,14 +41,15 @@ import ctypes
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Block, fit_vocab
+from speculor.runtime.backend import Block, Rows, fit_vocab
+from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
@@ -137,12 +138,21 @@ class LlamaModel:
         self.hidden_size = L.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
-        self.device, self.dtype = torch.device("cpu"), "gguf"  # what the cost profile's key reads
+        self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
+        self.cheap_rows = False  # t(n) grows with n on these CPU kernels (t(2) = 1.6 t(1))
         self.free_ids = list(range(GRAVE - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
         self.dead: list[tuple[int, list[int]]] = []  # (base, extra ids) of caches collected since
         self.batch = L.llama_batch_init(N_BATCH, 0, MAX_SEQ)
         weakref.finalize(self, _free, L, self.model, self.ctx, self.batch)
+
+    @property
+    def shared(self) -> LlamaModel:
+        return self
+
+    def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """e(ids): rows of the GGUF's token embedding, dequantised (the input llama.cpp's first layer reads)."""
+        return GGUFRows(self.path, ["token_embd.weight"])
 
     def new_cache(self) -> LlamaCache:
         self.release()
@@ -258,10 +268,11 @@ class LlamaModel:
                 raise SpeculorError("llama.cpp could not write a request's cells back while compacting its memory")
         self.used = self.live_cells()
 
-    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list:
-        """Per block: logits [n, V] (fp32, host), or [1, V] with `last`. Short blocks packed into calls of at most
-        EXACT_ROWS rows, a longer one in calls of its own (module docstring): `apart` holds always. With
-        calls="batched", every block's rows packed into calls of up to N_BATCH rows, as llama.cpp batches."""
+    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
+        """Per block its `Rows`: logits [n, V] (fp32, host), or [1, V] with `last`; with `hidden` the hidden states
+        of the same rows. Short blocks packed into calls of at most EXACT_ROWS rows, a longer one in calls of its own
+        (module docstring): `apart` holds always. With calls="batched", every block's rows packed into calls of up
+        to N_BATCH rows, as llama.cpp batches."""
         self.release()
         self.make_room(blocks)
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
@@ -285,7 +296,7 @@ class LlamaModel:
                 self._embeddings(any(blocks[i].hidden and any(want) for i, _, want in call))
                 self._decode(call, out, hidden)
         logits = [fit_vocab(torch.from_numpy(rows_of(x)), self.vocab_size) for x in out]
-        return [(lg, torch.from_numpy(rows_of(h))) if b.hidden else lg
+        return [Rows(lg, torch.from_numpy(rows_of(h)) if b.hidden else None)
                 for b, lg, h in zip(blocks, logits, hidden, strict=True)]
 
     def _embeddings(self, on: bool) -> None:
@@ -307,10 +318,8 @@ class LlamaModel:
         parents = (list(range(start - 1, start + len(tokens) - 1)) if b.parents is None
                    else [int(p) for p in torch.as_tensor(b.parents).tolist()])
         ids: list[list[int]] = []
-        for i, p in enumerate(parents):
-            assert -1 <= p < start + i, "a row's parent comes before it"
-            c.parents.append(p)
-            c.depth.append(0 if p < 0 else c.depth[p] + 1)
+        for p in parents:
+            c.add([p])
             if not c.branched(p):  # the first child continues its parent's path
                 own = c.base if p < 0 else c.own[p]
             else:  # another path: its id on the in-block ancestors, copied onto the cells of the rest
@@ -323,7 +332,6 @@ class LlamaModel:
                 self.L.llama_memory_seq_cp(self.mem, src, own, 0, upto)
             c.own.append(own)
             ids.append([own])
-        c.pending = torch.tensor(c.parents, dtype=torch.long)
         return [(t, c.length + c.depth[start + i], ids[i]) for i, t in enumerate(tokens)]
 
     def _decode(self, call: list[tuple[int, list, list[bool]]], out: list[list[np.ndarray]],

@@ -6,25 +6,22 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
-import torch
+from speculor.runtime.pending import PendingRows
 
 if TYPE_CHECKING:
     from speculor.runtime.llama import LlamaModel
 
 
-class LlamaCache:
-    """One request's entries in a `LlamaModel`'s memory (module docstring), with KVCache's interface: `length`
-    committed entries, `pending` (the parents of the pending rows), `keep(rows)`, `trim(n)`."""
+class LlamaCache(PendingRows):
+    """One request's entries in a `LlamaModel`'s memory (module docstring), a `Cache` (runtime/backend.py): `length`
+    committed entries, the pending rows' bookkeeping (runtime/pending.py), `keep(rows)`, `trim(n)`."""
 
     def __init__(self, model: LlamaModel) -> None:
+        super().__init__()
         self.model, self.mem, self.L = model, model.mem, model.L
         self.base = model.seq_id()
-        self.length = 0
-        self.parents: list[int] = []  # pending rows: parent (region index, -1 = the committed tip)
-        self.depth: list[int] = []  # ... depth below the committed tip (0 = a child of it)
-        self.own: list[int] = []  # ... the id of the row's own path
+        self.own: list[int] = []  # pending rows: the id of the row's own path
         self.extra: list[int] = []  # ids of this request's other paths
-        self.pending = torch.zeros(0, dtype=torch.long)
         model.live += 1
         model.caches.add(self)
         weakref.finalize(self, model.dead.append, (self.base, self.extra))  # `extra` as it is then
@@ -42,8 +39,7 @@ class LlamaCache:
     def keep(self, rows: list[int]) -> None:
         """Commit the pending rows `rows` (a path down from the committed tip, ascending); drop the rest."""
         if rows:
-            assert all(self.parents[r] == q for q, r in zip([-1] + rows[:-1], rows, strict=True)), \
-                "the rows kept form a path from the committed tip"
+            assert self.is_path(rows), "the rows kept form a path from the committed tip"
             own, end = self.own[rows[-1]], self.length + len(rows)
             if own != self.base:
                 self.model.forget(self.base, self.length)
@@ -55,12 +51,11 @@ class LlamaCache:
         """Forget every entry from slot n on (pending rows included: only a chain's may be partly kept)."""
         if n >= self.length + len(self.parents):
             return
-        keep = max(n - self.length, 0)  # pending rows kept
-        chain = self.parents[:keep] == list(range(-1, keep - 1)) and set(self.own[:keep]) <= {self.base}
+        keep = self.kept(n)
+        chain = self.is_chain(keep) and set(self.own[:keep]) <= {self.base}
         assert chain, "only a chain's pending rows are partly kept"
         self.model.forget(self.base, n)
         self.model.drop(self.extra)
         self.extra.clear()
-        del self.parents[keep:], self.depth[keep:], self.own[keep:]
-        self.length = min(self.length, n)
-        self.pending = torch.tensor(self.parents, dtype=torch.long)
+        del self.own[keep:]
+        self.cut(n)

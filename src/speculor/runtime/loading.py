@@ -1,11 +1,13 @@
-"""Loading a target and a draft model (`load_pair`): a folder, a .gguf file or an embedded model; a draft with
-another tokenizer than the target's is kept with its tokenizer (cross-tokenizer drafting, drafters/cross_vocab.py);
-the fast CPU kernels are swapped in here."""
+"""Loading a target and a draft model (`load_pair` of a `PairSpec`): a folder, a .gguf file or an embedded model; a
+draft with another tokenizer than the target's is kept with its tokenizer (cross-tokenizer drafting,
+drafters/cross_vocab.py); the fast CPU kernels are swapped in here. Backend "auto" is chosen before loading, above
+this module (runtime/choice.py, whose `load_pair` is `speculor.load_pair`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -13,26 +15,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
-from speculor.runtime.backend import Backend
+from speculor.runtime.backend import Pair
 from speculor.runtime.draft_vocab import check_size as draft_vocab_check
 from speculor.runtime.draft_vocab import restrict_draft
 from speculor.runtime.kernels import Int8Linear, PackedLinear, can_pack, pack_linears
 from speculor.runtime.lean import fuse_projections, supports
 from speculor.runtime.model import Model
-
-
-@dataclass
-class Pair:
-    """A target, an optional draft model, and the target's tokenizer; `draft_tokenizer` is the draft's own where it
-    differs (then only text-level drafting can use it)."""
-
-    target: Backend
-    draft: Backend | None
-    tokenizer: PreTrainedTokenizerBase
-    target_name: str = ""
-    draft_name: str = ""
-    backend: str = "torch"  # what runs the forwards: "torch" (runtime/model.py) or "llama.cpp" (runtime/llama.py)
-    draft_tokenizer: PreTrainedTokenizerBase | None = None  # a draft with another tokenizer (drafters/cross_vocab.py)
 
 
 def resolve(spec: str) -> tuple[Path, str | None]:
@@ -119,11 +107,17 @@ def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
 BACKENDS = ("auto", "torch", "llama.cpp")
 
 
-def load_pair(target: str = "default", draft: str | None = "default", *, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, packed: bool = True, draft_int8: bool = True,
-              draft_vocab: int | None = None, lean_draft: bool = True, offload: bool = False,
-              backend: str = "auto", threads: int | None = None, calls: str = "exact") -> Pair:
-    """Load a target and (unless draft is None) a draft; 'default' means the embedded Qwen2.5-Coder pair.
+def torch_dtype(name: str, device: str) -> torch.dtype:
+    """A dtype by name; "auto": bfloat16 on cuda, float32 on cpu (the command line's and Ray's `dtype`)."""
+    if name == "auto":
+        name = "bfloat16" if device.startswith("cuda") else "float32"
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """A model pair and how it runs: what `load_pair` loads. target, draft: 'default' (the embedded Qwen2.5-Coder
+    pair), an embedded model's name, a folder or a .gguf file; draft None: no draft.
 
     backend: 'auto', the default (runtime/choice.py: the one this machine's measured cost curves predict fastest,
     said on stderr; torch without measuring where llama.cpp cannot run the pair), 'torch' (transformers, the fp32
@@ -140,56 +134,95 @@ def load_pair(target: str = "default", draft: str | None = "default", *, device:
     draft_vocab: N > 0 restricts the draft's head to the N most frequent tokens (FR-Spec, draft_vocab.py; exact
     as any draft is, docs/algorithms.md §1.1); None or 0: the full vocabulary.
     lean_draft: with int8 draft kernels, run the draft through lean.py's forward (Qwen2/Llama-style drafts; the same
-    logits, 4-17% less time a forward), its q/k/v and gate/up projections joined (`fuse_projections`; 9-10% less).
+    logits, less time a forward), its q/k/v and gate/up projections joined (`fuse_projections`; docs/bench/README.md
+    "Joined projections").
     offload: keep the target's weights in pinned CPU memory and stream them to `device` for each forward (`offload`).
     """
-    if backend not in BACKENDS:
-        raise SpeculorError(f"unknown backend {backend!r}: give one of {', '.join(BACKENDS)}")
-    if threads is not None:
-        if threads < 1:
-            raise SpeculorError(f"--threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
-    if backend == "auto":
-        from speculor.runtime.choice import choose
 
-        check_device(device, offload)  # a device that cannot run is refused before anything is measured
-        backend = choose(target, draft, device=device, threads=torch.get_num_threads(),
-                         only_torch="--draft-vocab restricts a torch draft's head" if draft_vocab else "")
-    if backend == "llama.cpp":
+    target: str = "default"
+    draft: str | None = "default"
+    _: KW_ONLY
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    packed: bool = True
+    draft_int8: bool = True
+    draft_vocab: int | None = None
+    lean_draft: bool = True
+    offload: bool = False
+    backend: str = "auto"
+    threads: int | None = None
+    calls: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpeculorError(f"unknown backend {self.backend!r}: give one of {', '.join(BACKENDS)}")
+        if self.threads is not None and self.threads < 1:
+            raise SpeculorError(f"--threads must be at least 1, got {self.threads}")
+
+    @classmethod
+    def of(cls, spec: PairSpec | str = "default", *args: Any, **options: Any) -> PairSpec:
+        """`load_pair`'s arguments as a PairSpec: one PairSpec, or the fields of one (target, draft, options)."""
+        if not isinstance(spec, PairSpec):
+            return cls(spec, *args, **options)
+        if args or options:
+            raise SpeculorError("load_pair takes a PairSpec or the fields of one, not both")
+        return spec
+
+    @classmethod
+    def named(cls, target: str = "default", draft: str = "default", *, dtype: str = "auto", kernels: str = "fast",
+              device: str = "cpu", **options: Any) -> PairSpec:
+        """The pair as the command line and Ray's settings name it: draft 'none' for no draft, dtype by name
+        (`torch_dtype`), kernels 'fast' (a prepacked target, an int8 lean draft) or 'eager' (plain nn.Linear)."""
+        fast = kernels == "fast"
+        return cls(target, None if draft == "none" else draft, device=device, dtype=torch_dtype(dtype, device),
+                   packed=fast, draft_int8=fast, **options)
+
+
+def load_pair(spec: PairSpec | str = "default", *args: Any, **options: Any) -> Pair:
+    """Load a pair whose backend is chosen ('torch' or 'llama.cpp'; `speculor.load_pair` chooses 'auto' first):
+    `load_pair(PairSpec(...))`, or the fields of one (`load_pair("default", None, backend="torch")`)."""
+    spec = PairSpec.of(spec, *args, **options)
+    if spec.backend == "auto":
+        raise SpeculorError("backend 'auto' is chosen before loading: call speculor.load_pair (runtime/choice.py)")
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    target, draft, device, offload, draft_vocab = spec.target, spec.draft, spec.device, spec.offload, spec.draft_vocab
+    if spec.backend == "llama.cpp":
         if offload or torch.device(device).type != "cpu":
             raise SpeculorError("the llama.cpp backend runs on the CPU here: leave out --device/--offload, or use "
                                 "--backend torch")
         if draft_vocab:
             raise SpeculorError("--draft-vocab restricts a torch draft's head: use --backend torch")
-        return load_llama_pair(target, draft, threads=torch.get_num_threads(), calls=calls)
-    if calls != "exact":
-        raise SpeculorError(f"--calls {calls} is a llama.cpp setting (torch's rows keep their bits in any batch): "
-                            "leave it out, or use --backend llama.cpp")
+        return load_llama_pair(target, draft, threads=torch.get_num_threads(), calls=spec.calls)
+    if spec.calls != "exact":
+        raise SpeculorError(f"--calls {spec.calls} is a llama.cpp setting (torch's rows keep their bits in any "
+                            "batch): leave it out, or use --backend llama.cpp")
     check_device(device, offload)
     if draft_vocab:
         if draft is None:
             raise SpeculorError("--draft-vocab restricts the draft model's vocabulary: it needs a draft")
         draft_vocab_check(draft_vocab)  # before the models are loaded
     target, draft = embedded.named(target, draft)
-    t_model, tokenizer = load_model(target, device="cpu" if offload else device, dtype=dtype)
+    t_model, tokenizer = load_model(target, device="cpu" if offload else device, dtype=spec.dtype)
     if offload:
         offload_to(t_model, device)
-    elif packed:
+    elif spec.packed:
         pack_linears(t_model, PackedLinear)
     t_lm = Model(t_model, device=device)
     d_lm = None
     if draft is not None:
-        d_model, d_tok = load_model(draft, device=device, dtype=dtype)
+        d_model, d_tok = load_model(draft, device=device, dtype=spec.dtype)
         cross = not same_vocab(tokenizer, d_tok)  # another tokenizer: drafted through text (cross_vocab.py)
         if cross and draft_vocab:
             raise SpeculorError("--draft-vocab restricts a draft that shares the target's vocabulary; this draft has "
                                 "another tokenizer")
         if draft_vocab:  # before packing, so that the subset's rows get the draft's kernel kind
             restrict_draft(d_model, tokenizer, draft_vocab, t_lm.vocab_size)
-        kind, lean = Int8Linear if draft_int8 else PackedLinear, lean_draft and draft_int8 and supports(d_model)
+        kind = Int8Linear if spec.draft_int8 else PackedLinear
+        lean = spec.lean_draft and spec.draft_int8 and supports(d_model)
         if lean:  # before packing too, each joined matrix packed as it is made
             fuse_projections(d_model, kind if can_pack(d_model) else None)
-        if packed or draft_int8:
+        if spec.packed or spec.draft_int8:
             pack_linears(d_model, kind)
         d_lm = Model(d_model, vocab_size=None if cross else t_lm.vocab_size, lean=lean)
     return Pair(t_lm, d_lm, tokenizer, target, draft or "", backend="torch",

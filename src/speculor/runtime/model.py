@@ -14,13 +14,13 @@ modeling file is patched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from speculor.core.tree import attention_mask, position_ids
 from speculor.runtime import batched
-from speculor.runtime.backend import Block, Segment, fit_vocab
+from speculor.runtime.backend import Block, Rows, Segment, fit_vocab
 from speculor.runtime.cache import KVCache
 from speculor.runtime.kernels import linear_kinds
 from speculor.runtime.layers import layer_windows
@@ -40,6 +40,7 @@ class Model:
         self.model = model.eval()
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.weights = str(self.dtype).removeprefix("torch.")
         head = model.get_output_embeddings()  # an nn.Linear, or a packed one without its fp32 weight (kernels.py)
         self.vocab_size = vocab_size or getattr(head, "out_features", None) or head.weight.shape[0]
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
@@ -48,6 +49,20 @@ class Model:
         self.windows = layer_windows(model.config)  # per layer: None (full attention) or its sliding window
         self.batched = batched.enable(model)  # blocks run through `_stacked` (several requests in one forward)
         self.lean = LeanDecoder(model) if lean else None
+        self.cells = None  # every request's cache is its own
+        self.cheap_rows = True  # the rows a draft adds cost little beside the forward (fp32 on a CPU, a GPU)
+        self.kernel_s = None  # not counted
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def shared(self) -> Model:
+        return self
+
+    def embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return token_embedding(self.model)
 
     @staticmethod
     def new_cache() -> KVCache:
@@ -62,9 +77,9 @@ class Model:
         return key
 
     @torch.inference_mode()
-    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list:
-        """Per block: logits [n, V] (fp32, on the host; [1, V], the last row's, with `last`: the vocabulary
-        projection, 1/7 of the target's flops, is then made for one row), or (logits, hidden [n, H]) with `hidden`.
+    def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
+        """Per block its `Rows`: logits [n, V] (fp32, on the host; [1, V], the last row's, with `last`: the
+        vocabulary projection, 1/7 of the target's flops, is then made for one row), hidden [n, H] with `hidden`.
         apart=True: each row of the linear layers is computed from that row alone (kernels.py), so a block's result
         does not depend on the blocks beside it (quantized kernels that scale a call's activations together).
         A chain longer than PREFILL_ROWS (a long prompt) runs on its own, PREFILL_ROWS rows a forward, so no mask
@@ -81,23 +96,22 @@ class Model:
             return self._stacked(blocks)
         return [self._one(b) for b in blocks]
 
-    def _chunked(self, b: Block, apart: bool):
+    def _chunked(self, b: Block, apart: bool) -> Rows:
         """A long chain as consecutive appended chunks of PREFILL_ROWS rows: the same rows, the same masks' rows."""
         tokens = torch.as_tensor(b.tokens, dtype=torch.long)
         parts = []
         for i in range(0, len(tokens), PREFILL_ROWS):
             chunk = Block(b.cache, tokens[i:i + PREFILL_ROWS], None, b.hidden, b.append or i > 0, b.last)
             parts.append(self.forward([chunk], apart=apart)[0])
-        logits = [p[0] if b.hidden else p for p in parts]
-        out = logits[-1] if b.last else torch.cat(logits)
-        return (out, torch.cat([p[1] for p in parts])) if b.hidden else out
+        logits = parts[-1].logits if b.last else torch.cat([p.logits for p in parts])
+        return Rows(logits, torch.cat([p.hidden for p in parts]) if b.hidden else None)
 
     def _masks(self, region: torch.Tensor, past: int, start: int) -> dict[int | None, torch.Tensor]:
         """The additive masks of rows start.. of a region, one per distinct layer window."""
         return {w: attention_mask(region, past, self.dtype, start=start, window=w).to(self.device)
                 for w in set(self.windows)}
 
-    def _one(self, b: Block) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _one(self, b: Block) -> Rows:
         """One block through transformers' own forward and attention (a model that cannot batch, e.g. eager
         attention with soft-capping): one 4-D mask, or one per layer type where the layers' windows differ."""
         tokens, region, start = _open(b)
@@ -115,22 +129,21 @@ class Model:
             output_hidden_states=b.hidden,
             logits_to_keep=1 if b.last else 0,
         )
-        b.cache.pending = region
+        _pend(b.cache, region)
         logits = fit_vocab(out.logits[0].float(), self.vocab_size)
-        return (logits, out.hidden_states[-1][0]) if b.hidden else logits
+        return Rows(logits, out.hidden_states[-1][0] if b.hidden else None)
 
-    def _lean(self, blocks: Sequence[Block], apart: bool) -> list:
+    def _lean(self, blocks: Sequence[Block], apart: bool) -> list[Rows]:
         """Every block in ONE lean forward over the stacked rows (attention per request)."""
         segments, ids, positions, regions = self._stack(blocks, lean=True)
         logits, hidden = self.lean.forward(segments, ids, positions, hidden=any(b.hidden for b in blocks), apart=apart)
         out = []
         for b, region, lg, h in zip(blocks, regions, logits, hidden, strict=True):
-            b.cache.pending = region
-            lg = fit_vocab(lg.float(), self.vocab_size)
-            out.append((lg, h) if b.hidden else lg)
+            _pend(b.cache, region)
+            out.append(Rows(fit_vocab(lg.float(), self.vocab_size), h if b.hidden else None))
         return out
 
-    def _stacked(self, blocks: Sequence[Block]) -> list:
+    def _stacked(self, blocks: Sequence[Block]) -> list[Rows]:
         """The blocks (one or several requests') in ONE forward of transformers' model: linear layers over the
         stacked rows, attention per request with its own masks (runtime/batched.py)."""
         segments, ids, positions, regions = self._stack(blocks, lean=False)
@@ -143,10 +156,10 @@ class Model:
         logits = fit_vocab(out.logits[0].float(), self.vocab_size)
         result, at = [], 0
         for b, s, r, region in zip(blocks, segments, rows, regions, strict=True):
-            s.cache.pending = region
+            _pend(s.cache, region)
             lg = logits[at:at + len(r)]  # logits hold the kept rows in order (all rows when none is `last`)
             at += len(r)
-            result.append((lg, out.hidden_states[-1][0, s.start:s.stop]) if b.hidden else lg)
+            result.append(Rows(lg, out.hidden_states[-1][0, s.start:s.stop] if b.hidden else None))
         return result
 
     def _stack(self, blocks: Sequence[Block],
@@ -177,6 +190,21 @@ def _open(b: Block) -> tuple[torch.Tensor, torch.Tensor, int]:
     if not b.append:
         b.cache.trim(b.cache.length)
     tokens = torch.as_tensor(b.tokens, dtype=torch.long)
-    start, n = len(b.cache.pending), len(tokens)
+    start, n = len(b.cache.parents), len(tokens)
     parents = torch.arange(start - 1, start + n - 1) if b.parents is None else b.parents
     return tokens, torch.cat([b.cache.pending, torch.as_tensor(parents, dtype=torch.long)]), start
+
+
+def _pend(cache: KVCache, region: torch.Tensor) -> None:
+    """A forwarded block's rows, now in the cache, become its pending rows (`region`: the parents of them all)."""
+    cache.add(region[len(cache.parents):].tolist())
+
+
+def token_embedding(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """e(ids) -> [n, H] fp32 from a transformers model's input embedding."""
+    weight = model.get_input_embeddings().weight
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        return weight[ids.to(weight.device)].float()
+
+    return embed

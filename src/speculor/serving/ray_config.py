@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from speculor.errors import SpeculorError
 
+if TYPE_CHECKING:
+    from speculor.runtime.loading import PairSpec
+
 
 class RaySettings(BaseModel):
     """What `speculor serve --ray` and a `serve run`/`serve deploy` config's args set (unknown keys are refused)."""
 
     model_config = ConfigDict(extra="forbid")
-    # the pair, as `speculor serve` loads it (commands.load_pair_from_args)
+    # the pair, as `speculor serve` names it (`pair_spec`: runtime.loading.PairSpec.named)
     target: str = "default"
     draft: str = "default"  # "none" for no draft
     backend: Literal["auto", "torch", "llama.cpp"] = "auto"  # auto: each node's measured choice (runtime/choice.py)
@@ -71,10 +73,12 @@ class RaySettings(BaseModel):
                                         "calls", "draft_vocab", "offload", "strategy", "options", "queue_size",
                                         "max_batch"})
 
-    def model_args(self) -> SimpleNamespace:
-        return SimpleNamespace(target=self.target, draft=self.draft, backend=self.backend, device=self.device,
-                               dtype=self.dtype, kernels=self.kernels, threads=self.threads,
-                               calls=self.calls, draft_vocab=self.draft_vocab, offload=self.offload)
+    def pair_spec(self) -> PairSpec:
+        """The pair a replica loads (`speculor.load_pair` of it; backend auto: each node's own choice)."""
+        from speculor.runtime.loading import PairSpec
+
+        return PairSpec.named(**self.model_dump(include={"target", "draft", "backend", "device", "dtype", "kernels",
+                                                         "threads", "calls", "draft_vocab", "offload"}))
 
     def actor_options(self) -> dict[str, Any]:
         """What each replica asks Ray for: CPUs, memory for the pair, a GPU on cuda."""
@@ -115,7 +119,8 @@ def pair_memory_gib(s: RaySettings) -> float | None:
 
 
 def check_strategy(s: RaySettings) -> None:
-    from speculor.commands import check_options
+    """The registry's check of the strategy and its options (imports torch), before anything is deployed."""
+    from speculor.drafters.registry import check_options
     from speculor.serving.app import DEFAULT_STRATEGY
 
     check_options(s.strategy or DEFAULT_STRATEGY[0], s.options)

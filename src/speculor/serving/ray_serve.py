@@ -20,7 +20,7 @@ Contract:
 * Metrics go through Ray's metrics (serving/ray_metrics.py): each replica's batch size, tau, accepted lengths,
   queue, generations; the ingress's request counts and latencies; GET /metrics says where they are.
 * `build(args)` makes the application from a `serve run` / `serve deploy` config's args (`RaySettings`);
-  `run(settings, ...)` is `speculor serve --ray`.
+  `run(settings, ...)` is `speculor serve --ray` (commands/serve.py makes the settings from its arguments).
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ class Replica:
     """A model pair and its continuous-batching scheduler; metrics through Ray."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        from speculor.commands import load_pair_from_args
+        from speculor.runtime.choice import load_pair
 
         s = RaySettings.of(settings)
-        pair = load_pair_from_args(s.model_args())
+        pair = load_pair(s.pair_spec())
         # Ray Serve bounds the requests a replica holds (max_ongoing_requests): its own queue takes all their jobs
         jobs, self.queue_size = (s.max_batch + s.queue_size) * MAX_N, s.queue_size
         self.srv = make_server(pair, s.strategy, jobs, s.max_batch, Metrics(pair.target.device, Ray()), **s.options)
@@ -269,14 +269,6 @@ def build(args: dict[str, Any]) -> Any:
     s = RaySettings.of(args)
     check_strategy(s)
     return application(s)
-
-
-def serve_cli(args: Any, strategy: str | None, options: dict[str, Any], ray_args: list[str]) -> None:
-    """`speculor serve --ray`: its arguments (argparse's; `ray_args` the Ray options given) as settings, then `run`."""
-    names = ("target", "draft", "backend", "device", "dtype", "kernels", "threads", "calls", "draft_vocab", "offload",
-             "queue_size", "max_batch", *ray_args)
-    settings = RaySettings.of({n: getattr(args, n) for n in names} | {"strategy": strategy, "options": options})
-    run(settings, host=args.host, port=args.port, address=args.ray_address, metrics_port=args.metrics_port)
 
 
 def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP) -> None:

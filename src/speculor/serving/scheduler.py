@@ -147,7 +147,10 @@ class Scheduler:
 
     async def build(self, name: str, options: dict[str, Any]) -> None:
         """Build strategy `name`'s shared part with `options` (cached by `sp`; SpeculorError if invalid) off the
-        event loop, between the worker's steps: never beside a forward on the same models."""
+        event loop, between the worker's steps: never beside a forward on the same models. One built already
+        returns at once; a new one waits for the admission or step in progress."""
+        if self.sp.built(name, **options):
+            return
 
         def locked() -> None:
             with self._models:
@@ -212,7 +215,7 @@ class Scheduler:
     def _fits(self, job: Job) -> bool:
         """Whether the job's prompt and longest answer fit beside the running jobs' in a target whose requests share
         one memory of `cells` (llama.cpp's); a job that runs alone always does (its length was checked)."""
-        cells = getattr(self.sp.pair.target, "cells", None)
+        cells = self.sp.pair.target.cells
         size = lambda j: len(j.prompt) + j.cfg.max_new_tokens  # noqa: E731
         return cells is None or not self.running or sum(size(r.job) for r in self.running) + size(job) <= cells
 

@@ -1,0 +1,41 @@
+"""`speculor loadtest`: latency and throughput of a running server at several concurrencies (no torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from speculor.commands import Args
+from speculor.errors import SpeculorError
+
+
+def run(args: Args) -> None:
+    from pathlib import Path
+
+    from speculor.bench import loadtest, peer_server, prompts  # httpx and the prompt sets: no torch
+
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        raise SpeculorError(f"--clients takes comma-separated integers, got {args.clients!r}") from None
+    if args.threads is not None and args.threads < 1:
+        raise SpeculorError("--threads must be >= 1")
+    if args.peer:  # found before our rounds, started after them
+        binary, gguf = peer_server.find_binary(args.llama_server), peer_server.target_gguf(args.gguf)
+    texts = [p.text for p in prompts.load(args.sets.split(","), args.limit)]
+    kw = dict(requests=args.requests, max_tokens=args.max_tokens)
+    rows, ours = loadtest.series(args.url, texts, clients, args.strategy, reference=args.reference or bool(args.peer),
+                                 **kw)
+    if args.peer:
+        threads = args.threads or os.cpu_count() or 1
+        log = Path(args.out).with_suffix(".llama-server.log") if args.out else None
+        peer_rows, theirs = peer_server.rounds(args.peer, binary, gguf, texts, clients, threads=threads, log=log, **kw)
+        rows = loadtest.versus(rows, peer_rows)
+        same, asked = loadtest.same_answers(ours, theirs)
+        print(f"one-client answers equal between speculor and {args.peer}: {same} of {asked} prompts "
+              f"({gguf.name}, {threads} threads)", file=sys.stderr)
+    print(loadtest.format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        loadtest.plot_rows(rows, Path(args.out).with_suffix(".png"))

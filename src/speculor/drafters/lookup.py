@@ -1,0 +1,90 @@
+"""Prompt lookup's drafter: drafts copied from earlier occurrences of the sequence's last n-gram (model-free). Shared
+by the strategies that draft it: `ngram` (drafters/ngram.py) and specinfer's `drafters=ngram`.
+
+With this machine's cost curve (budget "auto") a continuation is cut to the length j that maximizes the step's
+expected rate, j = 0 (plain decoding) included, under the acceptance measured so far in the request:
+
+    rate(j) = (1 + a + a^2 + ... + a^j) / t_target(j + 1)      a = P(a copied token is accepted | the ones before)
+
+a is a Beta(1.4, 0.6) estimate (prior mean 0.7) from the copied tokens that reached verification, kept apart per
+length of the matched n-gram (a 3-gram's copy is far likelier right than a 1-gram's); its counts decay by DECAY at
+every step it is not tried, so a length given up on is tried again later. On a flat curve (fp32 torch) the whole
+continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from speculor.config import SamplingConfig, check_int
+from speculor.core.goodput import Costs, best_prefix
+from speculor.core.tree import DraftTree, merge
+from speculor.core.verify import Verdict
+from speculor.drafters.base import Drafter, Proposal
+
+
+def ngram_continuations(seq: Sequence[int], n_max: int, k: int, branches: int) -> list[list[int]]:
+    """Prompt lookup: up to `branches` distinct continuations (≤ k tokens each) of earlier occurrences of the
+    last n tokens of seq, for n = n_max down to 1, the most recent occurrence first."""
+    return [c for _, c in matches(seq, n_max, k, branches)]
+
+
+def matches(seq: Sequence[int], n_max: int, k: int, branches: int) -> list[tuple[int, list[int]]]:
+    """`ngram_continuations` with the length n of the n-gram each continuation was found by."""
+    out: list[tuple[int, list[int]]] = []
+    for n in range(min(n_max, len(seq) - 1), 0, -1):
+        suffix = list(seq[-n:])
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start + n - 1] == suffix[-1] and list(seq[start:start + n]) == suffix:
+                cont = list(seq[start + n:start + n + k])
+                if all(cont != c for _, c in out):
+                    out.append((n, cont))
+                if len(out) >= branches:
+                    return out
+    return out
+
+
+PRIOR = (1.4, 0.6)  # Beta prior of a depth's acceptance (mean 0.7): the first token is tried where t(2) allows
+DECAY = 0.9  # counts of a matched length kept at each step it is not tried
+
+
+class NgramDrafter(Drafter):
+    """Model-free prompt lookup: the continuations of `ngram_continuations`, merged by prefix into a tree of
+    deterministic drafts (point-mass rule; greedy matching at temperature 0). Zero draft forwards. With a cost
+    curve, continuations cut to the length that pays (module docstring)."""
+
+    def __init__(self, k: int = 8, n: int = 3, branches: int = 1, cost: Costs | None = None) -> None:
+        for name, value, top in (("k", k, 64), ("n", n, 16), ("branches", branches, 16)):
+            check_int(name, value, 1, top)
+        self.k, self.n, self.branches, self.forwards, self.cost = k, n, branches, 0, cost
+        # auto: per matched length m, copied tokens that reached verification and tokens accepted
+        self.reached, self.accepted = [0.0] * (n + 1), [0.0] * (n + 1)
+        self.cut, self.m = k, 0
+
+    def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
+        found = matches(seq, self.n, self.k, self.branches)
+        conts = [c for _, c in found]
+        if self.cost is not None:
+            self.m = found[0][0] if found else 0
+            self.cut = self._best_cut(max(len(c) for c in conts)) if conts else 0
+            conts = [c[:self.cut] for c in conts if self.cut]
+            if not self.cut and self.m:  # not tried: what was learned at this length fades
+                self.reached[self.m] *= DECAY
+                self.accepted[self.m] *= DECAY
+        chains = [DraftTree.chain(c, draw="point") for c in conts]
+        self.stats = {"cut": self.cut} if self.cost is not None else None
+        return merge(chains).tree
+        yield  # asks for nothing
+
+    def _best_cut(self, longest: int) -> int:
+        """The continuation length with the best expected rate (module docstring), 0 = none."""
+        a = (self.accepted[self.m] + PRIOR[0]) / (self.reached[self.m] + sum(PRIOR))
+        return best_prefix(self.cost, (a**j for j in range(1, longest + 1)))
+
+    def observe(self, n_committed: int, verdict: Verdict) -> None:
+        if self.cost is None:
+            return
+        got = len(verdict.path)
+        self.reached[self.m] += min(self.cut, got + 1)  # a token reaches verification iff the ones before passed
+        self.accepted[self.m] += min(self.cut, got)
