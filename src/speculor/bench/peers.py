@@ -43,6 +43,7 @@ from speculor.runtime.model import Model
 
 PEERS = ("llama.cpp", "llama.cpp-lookup", "hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence",
          "hf-prompt-lookup")
+LLAMA_PEERS = ("llama.cpp", "llama.cpp-lookup")  # the peers that run llama-cpp-python over the target's GGUF
 LOOKUP_TOKENS = 2  # llama.cpp-lookup's num_pred_tokens: llama-cpp-python's README advises 2 on CPU-only machines
 ASSISTANT_SETTINGS: dict[str, dict[str, Any]] = {
     "hf-assisted": {},
@@ -112,7 +113,7 @@ def unfit(pair: Pair, name: str) -> str:
     llama-cpp-python, transformers' peers a pair on torch."""
     from speculor.runtime import embedded, llama
 
-    if name in ("llama.cpp", "llama.cpp-lookup"):
+    if name in LLAMA_PEERS:
         if not llama.available():
             return "llama-cpp-python is not installed"
         if pair.target_name not in embedded.EMBEDDED and not pair.target_name.endswith(".gguf"):
@@ -124,7 +125,7 @@ def unfit(pair: Pair, name: str) -> str:
 def peer_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
                   eos_ids: frozenset[int]) -> tuple[list[int], float]:
     """(new token ids, wall seconds) of peer `name`."""
-    if name in ("llama.cpp", "llama.cpp-lookup"):
+    if name in LLAMA_PEERS:
         return llama_generate(pair, prompt, cfg, eos_ids, lookup=name == "llama.cpp-lookup")
     return hf_generate(pair, name, prompt, cfg, eos_ids)
 
