@@ -324,13 +324,30 @@ def test_auto_cuts_to_what_the_curve_pays_and_learns():
     assert step(SuffixDrafter(auto, cost=STEEP), twice, True) == 2  # 12 13 pay, the 1/3 ones do not
     learner = SuffixDrafter(auto, cost=MID)
     sizes = [step(learner, twice, True) for _ in range(4)]
-    assert sizes[-1] > sizes[0] and learner.trust > 1  # every token accepted: the counts understate, longer cuts
+    assert sizes[-1] > sizes[0] and learner.trust.of(2) > 1  # every token accepted: the counts understate
     failing = SuffixDrafter(auto, cost=STEEP)
-    tried = [step(failing, twice, False) for _ in range(40)]
-    assert tried[:2] == [2, 0] and failing.trust < 1  # rejected: it stops drafting
-    assert any(tried[2:])  # ... and tries again once what it learned has faded
+    tried = [step(failing, twice, False) for _ in range(3000)]
+    assert tried[:2] == [2, 0] and failing.trust.of(2) < 1  # rejected: it stops drafting
+    retries = [i for i, n in enumerate(tried) if n and i >= 2]
+    assert retries and retries[0] > 100  # ... and tries again, rarely, once what it learned has faded
     with pytest.raises(SpeculorError, match="cost model"):
         SuffixStrategy(auto)
+
+
+def test_trust_is_learned_per_match_length_and_shared_by_the_strategy_s_requests():
+    strategy = SuffixStrategy(SuffixOptions(budget="auto", shared=False), cost=STEEP)
+    twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # match of 2 tokens
+    long = [7, 8, 9, 10, 11, 12, 13, 1, 7, 8, 9, 10, 11, 12, 13, 2, 7, 8, 9, 10, 11, 12]  # 6-token match, P 2/3
+    first = strategy.drafter()
+    assert [step(first, twice, False) for _ in range(2)] == [2, 0]
+    assert step(strategy.drafter(), twice, False) == 0  # a later request starts from what the first learned
+    assert strategy.trust.of(2) < 1 and strategy.trust.of(6) == 1  # ... at that match length only
+    assert step(strategy.drafter(), long, True) > 0
+    seeded = strategy.drafter()  # a seeded sampled request learns alone: nothing of the others' trust
+    tree = drive(seeded.propose(twice, SamplingConfig(temperature=0.7, seed=1), torch.Generator().manual_seed(1)))
+    assert len(tree) == 2 and seeded.trust is seeded.own_trust
+    strategy.forget()
+    assert strategy.trust.of(2) == 1  # a bench round starts afresh
 
 
 # ---------------------------------------------------------------- the strategy and its options

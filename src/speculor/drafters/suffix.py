@@ -15,11 +15,15 @@ Tree size:
     budget "auto"   the best n of them (n <= AUTO_CAP, 0 included) for the highest expected rate on this machine's
                     cost curve, the step's tokens estimated from the counts:
 
-                        rate(n) = (1 + Σ_{i<n} v_i) / t_target(n + 1)        v_i = min(1, trust · P(u_i))
+                        rate(n) = (1 + Σ_{i<n} v_i) / t_target(n + 1)        v_i = min(1, trust(m) · P(u_i))
 
-                    trust = (accepted + PRIOR) / (Σ v drafted + PRIOR) over the request's earlier steps, both sums
-                    fading by DECAY at each step that drafts nothing: how far the counts over- or under-state what
-                    the target accepts (1 until something was verified).
+                    trust(m) = (accepted + PRIOR) / (Σ v drafted + PRIOR) over earlier drafts after a match whose
+                    length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the target
+                    accepts (1 until something was verified). Learned online by the strategy, across its requests
+                    (a seeded sampled request learns its own, as it reads its own trie); both sums of a bucket fade
+                    by DECAY at each step that has a match in it and drafts nothing, so a bucket given up on is tried
+                    again, rarely: a 1-token match on chat text is seldom followed as it was before, a 9-token one
+                    nearly always.
 Hybrid (`fallback`, built by the registry: dyspec or eagle with budget "auto"): a step where the tries draft nothing
 worth its rows asks the fallback, a draft model's or a head's tree sized by the same cost curve, which itself drafts
 only where its predicted rate beats a plain step (and catches up over the tokens it missed only then). Suffix first,
@@ -33,6 +37,7 @@ output already serves the others. No engine hook is needed for a request's end.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +55,8 @@ from speculor.runtime.profiling import machine_cost
 DEFAULT_BUDGET = 16  # draft tokens per step where the target's rows are cheap (torch); else "auto" (llama.cpp)
 AUTO_CAP = 64  # most draft tokens per step with budget "auto"
 PRIOR = 2.0  # pseudo-tokens of trust 1: the counts are taken at their word until steps say otherwise
-DECAY = 0.9  # what is kept of the trust's sums at each step that drafts nothing
+DECAY = 0.999  # what a bucket keeps of its sums at each step that matches in it and drafts nothing (half-life ~700)
+MATCH_EDGES = (1, 2, 3, 5, 9)  # lower edges of the match-length buckets the trust is learned in
 ON_OFF = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
 
 
@@ -82,24 +88,55 @@ class SuffixOptions:
         return AUTO_CAP if self.budget == "auto" else int(self.budget)
 
 
+class Trust:
+    """trust(m) per match-length bucket (module docstring): sums of accepted tokens and of the values drafted."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.accepted, self.drafted = [0.0] * len(MATCH_EDGES), [0.0] * len(MATCH_EDGES)
+
+    def of(self, match: int) -> float:
+        b = _bucket(match)
+        return (self.accepted[b] + PRIOR) / (self.drafted[b] + PRIOR)
+
+    def learn(self, match: int, accepted: int, drafted: float) -> None:
+        b = _bucket(match)
+        self.accepted[b] += accepted
+        self.drafted[b] += drafted
+
+    def fade(self, match: int) -> None:
+        b = _bucket(match)
+        self.accepted[b] *= DECAY
+        self.drafted[b] *= DECAY
+
+
+def _bucket(match: int) -> int:
+    return max(0, bisect_right(MATCH_EDGES, match) - 1)
+
+
 class SuffixStrategy:
-    """The shared part: options, the machine's cost curve (budget "auto"), the trie of outputs (`shared`) and the
-    fallback strategy (module docstring), if any."""
+    """The shared part: options, the machine's cost curve (budget "auto"), the trust learned from its requests'
+    drafts, the trie of outputs (`shared`) and the fallback strategy (module docstring), if any."""
 
     def __init__(self, opts: SuffixOptions, cost: Costs | None = None, fallback: Strategy | None = None) -> None:
         if opts.budget == "auto" and cost is None:
             raise SpeculorError("suffix with budget='auto' needs the machine's cost model")
         self.opts, self.cost, self.fallback = opts, cost, fallback
         self.cache = SuffixCache(opts.max_depth, opts.max_tokens) if opts.shared else None
+        self.trust = Trust()
 
     def drafter(self) -> SuffixDrafter:
         return SuffixDrafter(self.opts, self.cache, self.cost,
-                             self.fallback.drafter() if self.fallback is not None else None)
+                             self.fallback.drafter() if self.fallback is not None else None, self.trust)
 
     def forget(self) -> None:
-        """Empty the trie of outputs: what follows starts as a fresh server would (a bench round)."""
+        """Empty the trie of outputs and what the trust learned: what follows starts as a fresh server would (a bench
+        round)."""
         if self.cache is not None:
             self.cache.clear()
+        self.trust.clear()
 
 
 class SuffixDrafter(BatchAware):
@@ -108,10 +145,10 @@ class SuffixDrafter(BatchAware):
     trie drafted), trust, and with a fallback: fallback (1 if it was asked) and the fallback's own stats}."""
 
     def __init__(self, opts: SuffixOptions | None = None, cache: SuffixCache | None = None,
-                 cost: Costs | None = None, fallback: Drafter | None = None) -> None:
+                 cost: Costs | None = None, fallback: Drafter | None = None, trust: Trust | None = None) -> None:
         self.opts, self.cache, self.cost, self.fallback = opts or SuffixOptions(), cache, cost, fallback
         self.batch_aware = fallback is not None and fallback.batch_aware  # the batch sees the fallback's bids
-        self.accepted = self.drafted = 0.0  # the trust's sums (budget "auto")
+        self.shared_trust = trust or Trust()  # budget "auto": the strategy's (a seeded request's own: `reset`)
         self.reset()
 
     def reset(self) -> None:
@@ -119,12 +156,9 @@ class SuffixDrafter(BatchAware):
         self.known = 0  # tokens of the sequence indexed
         self.seq_id = self.cache.open() if self.cache is not None else None
         self.candidate, self.values, self.tokens, self.asked = NOTHING, [], [], False
+        self.own_trust, self.trust = Trust(), self.shared_trust
         if self.fallback is not None:
             self.fallback.reset()
-
-    @property
-    def trust(self) -> float:
-        return (self.accepted + PRIOR) / (self.drafted + PRIOR)
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         self._index(seq[self.known:], output=self.known > 0)
@@ -132,15 +166,17 @@ class SuffixDrafter(BatchAware):
         alone = cfg.seed is not None and not cfg.greedy  # module docstring
         other = NOTHING if self.cache is None or alone else self.cache.propose(seq, self.opts.cap, self.opts.min_prob)
         best = other if other.match > own.match else own
-        values = [min(1.0, self.trust * p) for p in best.probs] if self.cost is not None else best.probs
+        self.trust = self.own_trust if alone else self.shared_trust
+        trust = self.trust.of(best.match)
+        values = [min(1.0, trust * p) for p in best.probs] if self.cost is not None else best.probs
         n = self._cut(values) if self.cost is not None else len(values)
-        if values and n == 0:  # a match not tried: what was learned fades
-            self.accepted, self.drafted = self.accepted * DECAY, self.drafted * DECAY
+        if values and n == 0:  # a match not tried: what was learned after its length fades
+            self.trust.fade(best.match)
         self.candidate = Candidate(best.tokens[:n], best.parents[:n], best.probs[:n], best.match if n else 0)
         self.values, self.tokens = values[:n], list(self.candidate.tokens)
         self.expected_tokens, self.forwards = 1.0 + sum(self.values), 0
         self.stats = {"match": float(self.candidate.match), "nodes": float(n),
-                      "shared": float(n > 0 and best is other), "trust": self.trust}
+                      "shared": float(n > 0 and best is other), "trust": trust}
         self.asked = n == 0 and self.fallback is not None
         if self.asked:  # nothing free worth its rows: the priced draft, if it pays (module docstring)
             return (yield from self._ask_fallback(seq, cfg, generator))
@@ -169,8 +205,7 @@ class SuffixDrafter(BatchAware):
         if self.asked:
             self.fallback.observe(n_committed, verdict)
         elif self.candidate.tokens and self.cost is not None:
-            self.accepted += len(verdict.path)
-            self.drafted += sum(self.values)
+            self.trust.learn(self.candidate.match, len(verdict.path), sum(self.values))
         if n_committed == self.known:  # the step's tokens, now: the last step of a request is never proposed after
             self._index([self.tokens[i] for i in verdict.path] + [verdict.token], output=True)
 
