@@ -37,10 +37,12 @@ def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto") -> None:
                    "reference, and the GPU), llama.cpp (the GGUF files on llama.cpp's own quantized kernels). Output "
                    "is exact against the chosen backend's own plain decoding")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of either backend (default: torch's)")
-    p.add_argument("--calls", choices=("exact", "batched"), default="exact",
+    p.add_argument("--calls", choices=("exact", "padded", "batched"), default="exact",
                    help="llama.cpp's calls: exact (default; every row gets the bits of a one-row call, so speculative "
-                   "output is plain decoding's and no answer depends on what shares its batch) or batched "
-                   "(llama.cpp's own call sizes: more throughput under load, neither guarantee)")
+                   "output is plain decoding's and no answer depends on what shares its batch), padded (the same "
+                   "guarantees with the 4-row kernels' bits: every call padded to 4k rows; slower alone, llama.cpp's "
+                   "own call sizes under load and for long drafts) or batched (llama.cpp's own call sizes: more "
+                   "throughput under load, neither guarantee)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="the models' weights and arithmetic (auto: bfloat16 on cuda, float32 on cpu); greedy output "

@@ -19,6 +19,12 @@ Same bits as plain decoding, in two parts:
   (tests/test_llama.py, with the negative control), so tree and chain blocks (decoding, verification, drafting)
   run in calls of at most EXACT_ROWS rows, packed with other requests' blocks; a prompt (a chain of more rows)
   gets calls of its own, the same whatever shares the batch.
+  calls="padded" takes the other class: every call padded to a multiple of PAD rows, its output rows too (`pad`),
+  and ggml's tiled matmul off (it takes 8 rows or more of the unpacked K-quant weights), every row is computed by
+  the 4-row kernels, in calls of any size up to N_UBATCH (one ubatch: the output rows of each are padded), packed
+  with anything, prompts included (checked at load, `_check_padded`; tests/test_llama.py with negative controls).
+  A lone step then costs t(4) (1.8 t(1)), but rows 2-4 are free and a call of 16 rows costs 4.6 t(1):
+  the class for load and for long drafts (docs/bench/cpu-padded). Its bits are not the one-row class's.
 - the order: attention sums over a request's cells in cell order. Freed cells would be refilled by later rows
   (llama.cpp places a row in the lowest free cell), putting a new token before an older one; so the cells a
   request forgets (rejected rows, finished requests) keep the graveyard id GRAVE, no cell is ever freed below a
@@ -38,6 +44,7 @@ same bits. They sit below the new request's rows, so its order holds; a compacti
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 import weakref
@@ -53,9 +60,11 @@ from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
-CALLS = ("exact", "batched")  # exact: rows in calls of at most EXACT_ROWS (the module docstring's bits);
-# batched: llama.cpp's own sizes (every row of a forward in calls of up to N_BATCH): a row's bits then depend on its
-# call, so an answer can depend on what shares its batch and speculation on plain decoding's low bits
+PAD = 4  # rows the repacked kernels multiply at once: calls="padded" pads every call (and its outputs) to a multiple
+CALLS = ("exact", "padded", "batched")  # exact: rows in calls of at most EXACT_ROWS (the module docstring's bits);
+# padded: every row in PAD-row blocks (the other class of bits, module docstring); batched: llama.cpp's own sizes
+# (every row of a forward in calls of up to N_BATCH): a row's bits then depend on its call, so an answer can depend
+# on what shares its batch and speculation on plain decoding's low bits
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
@@ -63,6 +72,7 @@ KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's 
 N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
+PADDING = MAX_SEQ - 2  # the pad rows' id (positions 0..PAD - 2, alone); their cells go to the graveyard at once
 MAX_PROMPTS = 16  # prompts kept in the prompt memory (module docstring)
 RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
 
@@ -107,6 +117,8 @@ class LlamaModel:
                  calls: str = "exact") -> None:
         if calls not in CALLS:
             raise SpeculorError(f"calls must be one of {', '.join(CALLS)}, got {calls!r}")
+        if calls == "padded":  # read once per process by ggml, at its first matmul (module docstring)
+            os.environ["GGML_CPU_TILED_MM"] = "0"
         L = _lib()
         self.L, self.path, self.threads, self.calls = L, Path(path), threads, calls
         mp = L.llama_model_default_params()
@@ -140,11 +152,29 @@ class LlamaModel:
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         self.cheap_rows = False  # t(n) grows with n on these CPU kernels (t(2) = 1.6 t(1))
-        self.free_ids = list(range(GRAVE - 1, -1, -1))
+        self.free_ids = list(range(PADDING - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
         self.dead: list[tuple[int, list[int]]] = []  # (base, extra ids) of caches collected since
         self.batch = L.llama_batch_init(N_BATCH, 0, MAX_SEQ)
         weakref.finalize(self, _free, L, self.model, self.ctx, self.batch)
+        if calls == "padded":
+            self._check_padded()
+
+    def _check_padded(self) -> None:
+        """The padded class holds on this build and process: PAD rows alone and the same rows at the head of a
+        3 PAD-row call get the same bits (they would not with ggml's tiled matmul on, or other kernels)."""
+        L, rows = self.L, [(t, p, [0]) for p, t in enumerate(range(100, 100 + 3 * PAD))]
+        got = []
+        for n in (PAD, 3 * PAD):
+            out: list[list[np.ndarray]] = [[]]
+            self._decode([(0, rows[:n], [True] * n)], out, [[]])
+            got.append(np.stack(out[0][:PAD]))
+            L.llama_memory_clear(self.mem, False)
+        self.used, self.kernel_s = 0, 0.0
+        if not np.array_equal(*got):
+            raise SpeculorError("calls='padded' is not exact with this llama.cpp build or in this process (a row "
+                                "differs in calls of 4 and 12 rows: ggml's tiled matmul was already on?): use "
+                                "calls='exact'")
 
     @property
     def shared(self) -> LlamaModel:
@@ -174,7 +204,7 @@ class LlamaModel:
         buf = ctypes.create_string_buffer(256)
         self.L.llama_model_desc(self.model, buf, 256)
         kv = "/".join(KV_TYPES).lower()
-        rows = f"exact{EXACT_ROWS}" if self.calls == "exact" else f"batched{N_BATCH}"
+        rows = {"exact": f"exact{EXACT_ROWS}", "padded": f"padded{PAD}", "batched": f"batched{N_BATCH}"}[self.calls]
         return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} {rows} kv {kv}"
 
     def vocabulary(self) -> list[bytes]:
@@ -271,17 +301,19 @@ class LlamaModel:
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
         """Per block its `Rows`: logits [n, V] (fp32, host), or [1, V] with `last`; with `hidden` the hidden states
         of the same rows. Short blocks packed into calls of at most EXACT_ROWS rows, a longer one in calls of its own
-        (module docstring): `apart` holds always. With calls="batched", every block's rows packed into calls of up
-        to N_BATCH rows, as llama.cpp batches."""
+        (module docstring): `apart` holds always. With calls="padded", every block's rows packed into calls of up
+        to N_UBATCH rows, each padded (`pad`); with "batched", into calls of up to N_BATCH rows, as llama.cpp
+        batches."""
         self.release()
         self.make_room(blocks)
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
-        limit = EXACT_ROWS if self.calls == "exact" else N_BATCH
+        limit = {"exact": EXACT_ROWS, "padded": N_UBATCH, "batched": N_BATCH}[self.calls]
+        chunk = N_UBATCH if self.calls == "padded" else N_BATCH
         for i, b in enumerate(blocks):
             rows = self._rows(b)
             want = [not b.last or j == len(rows) - 1 for j in range(len(rows))]
             if b.parents is None and len(rows) > limit:  # a prompt (chunk): calls of its own
-                calls += [[(i, rows[j:j + N_BATCH], want[j:j + N_BATCH])] for j in range(0, len(rows), N_BATCH)]
+                calls += [[(i, rows[j:j + chunk], want[j:j + chunk])] for j in range(0, len(rows), chunk)]
                 calls.append([])
                 continue
             for j in range(0, len(rows), limit):  # a tree: `limit` rows a call at most, ancestors first
@@ -339,12 +371,20 @@ class LlamaModel:
         """One llama_decode over the call's rows; the wanted rows' logits appended to out[block] (and their hidden
         states to hidden[block] while the embeddings output is on)."""
         L, b, k = self.L, self.batch, 0
+        n = sum(len(rows) for _, rows, _ in call)
+        flips, pads = pad(n, sum(sum(w) for _, _, w in call)) if self.calls == "padded" else (0, 0)
         for _, rows, want in call:
             for (tok, pos, ids), w in zip(rows, want, strict=True):
+                if not w and flips:  # an output computed and not read: the call's outputs a multiple of PAD
+                    w, flips = True, flips - 1
                 b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, len(ids), w
                 for m, s in enumerate(ids):
                     b.seq_id[k][m] = s
                 k += 1
+        for p in range(pads):  # rows of their own (positions 0.., id PADDING), with outputs
+            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = 0, p, 1, True
+            b.seq_id[k][0] = PADDING
+            k += 1
         b.n_tokens = k
         t0 = time.perf_counter()
         rc = L.llama_decode(self.ctx, b)
@@ -355,6 +395,8 @@ class LlamaModel:
         if rc != 0:
             raise SpeculorError(f"llama_decode failed (code {rc}: "
                                 f"{'no room in the KV memory' if rc == 1 else 'error'}; context {self.context_length})")
+        if pads:
+            self.forget(PADDING, -1)  # to the graveyard: no hole below a live cell
         k = 0
         for i, _, want in call:
             for w in want:
@@ -365,6 +407,13 @@ class LlamaModel:
                         hidden[i].append(np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, k),
                                                                shape=(self.hidden_size,)).copy())
                 k += 1
+
+
+def pad(rows: int, outputs: int) -> tuple[int, int]:
+    """(flips, pads) that make a call of `rows` rows, `outputs` of them with outputs, PAD-aligned in both: flips
+    rows without an output given one, and pads rows added with one. (rows + pads) % PAD = (outputs + flips + pads)
+    % PAD = 0, so flips = (rows - outputs) % PAD: never more than the rows without one."""
+    return (rows - outputs) % PAD, -rows % PAD
 
 
 def rows_of(rows: list[np.ndarray]) -> np.ndarray:

@@ -124,8 +124,10 @@ class PairSpec:
     reference and the GPU path) or 'llama.cpp' (GGUF files on llama.cpp's own quantized kernels, runtime/llama.py).
     threads: the CPU threads of either (default: torch's).
     calls (llama.cpp): 'exact', the default (rows in calls that give each the bits of a one-row call: speculative
-    output is plain decoding's and no answer depends on what shares its batch), or 'batched' (llama.cpp's own call
-    sizes: more throughput under load, neither guarantee; runtime/llama.py).
+    output is plain decoding's and no answer depends on what shares its batch), 'padded' (the same guarantees in
+    the other class of bits, the 4-row kernels': every call padded to 4k rows, so a lone step costs a 4-row call and
+    a loaded server's steps llama.cpp's own sizes), or 'batched' (llama.cpp's own call sizes: more throughput under
+    load, neither guarantee; runtime/llama.py).
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
     draft with int8 weights (kernels.py). Either releases the fp32 weights it replaces (each weight is held once;
@@ -258,7 +260,8 @@ def load_llama_pair(target: str = "default", draft: str | None = "default", *, t
     t_lm = LlamaModel(t_path, threads=threads, calls=calls)
     d_lm = None
     if draft is not None:
-        d_lm = LlamaModel(gguf_file(draft), threads=threads, vocab_size=t_lm.vocab_size, calls=calls)
+        d_calls = "exact" if calls == "padded" else calls  # a draft's bits need no class: its cheapest load-free one
+        d_lm = LlamaModel(gguf_file(draft), threads=threads, vocab_size=t_lm.vocab_size, calls=d_calls)
         if d_lm.vocabulary() != t_lm.vocabulary():
             raise SpeculorError(f"the draft's vocabulary differs from the target's ({d_lm.n_vocab} vs {t_lm.n_vocab} "
                                 "tokens); on llama.cpp the draft needs the target's tokenizer (a draft with another "
