@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from speculor.runtime.llama import PAD, pad
+from speculor.runtime.llama_padded import PAD, pad
 
 SCRIPT = Path(__file__).parent / "support" / "padded.py"
 

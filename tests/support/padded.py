@@ -10,7 +10,7 @@ import torch
 
 from speculor import SamplingConfig, Speculor, load_pair
 from speculor.engine import batch as batched_engine
-from speculor.runtime import llama
+from speculor.runtime import llama, llama_padded
 from speculor.runtime.backend import Block, forward1
 
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13, 576]
@@ -83,9 +83,9 @@ def main() -> None:
     n = len(PROMPT) - 1
     out["classes_differ"] = not torch.equal(alone(exact, PROMPT, n), alone(target, PROMPT, n))
     if "--negative" in sys.argv:  # no padding: a lone row by the vector kernels, 4 of a tree's 6 by the block ones
-        llama.pad = lambda rows, outputs: (0, 0)
+        llama_padded.pad = lambda rows, outputs: (0, 0)
         out["tree_unpadded"] = tree_equals_alone(target, PROMPT)
-        llama.pad = lambda rows, outputs: (0, -rows % llama.PAD)  # rows padded, outputs not
+        llama_padded.pad = lambda rows, outputs: (0, -rows % llama_padded.PAD)  # rows padded, outputs not
         out["last_unpadded"] = last_equals_all(target)
     print(json.dumps(out))
 

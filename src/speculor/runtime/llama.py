@@ -19,10 +19,10 @@ Same bits as plain decoding, in two parts:
   (tests/test_llama.py, with the negative control), so tree and chain blocks (decoding, verification, drafting)
   run in calls of at most EXACT_ROWS rows, packed with other requests' blocks; a prompt (a chain of more rows)
   gets calls of its own, the same whatever shares the batch.
-  calls="padded" takes the other class: every call padded to a multiple of PAD rows, its output rows too (`pad`),
+  calls="padded" takes the other class: every call padded to a multiple of 4 rows, its output rows too (llama_padded),
   and ggml's tiled matmul off (it takes 8 rows or more of the unpacked K-quant weights), every row is computed by
   the 4-row kernels, in calls of any size up to N_UBATCH (one ubatch: the output rows of each are padded), packed
-  with anything, prompts included (checked at load, `_check_padded`; tests/test_llama.py with negative controls).
+  with anything, prompts included (checked at load; tests/test_llama.py with negative controls).
   A lone step then costs t(4) (1.8 t(1)), but rows 2-4 are free and a call of 16 rows costs 4.6 t(1):
   the class for load and for long drafts (docs/bench/cpu-padded). Its bits are not the one-row class's.
 - the order: attention sums over a request's cells in cell order. Freed cells would be refilled by later rows
@@ -55,16 +55,16 @@ import numpy as np
 import torch
 
 from speculor.errors import SpeculorError
+from speculor.runtime import llama_padded as padded
 from speculor.runtime.backend import Block, Rows, fit_vocab
 from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
-PAD = 4  # rows the repacked kernels multiply at once: calls="padded" pads every call (and its outputs) to a multiple
 CALLS = ("exact", "padded", "batched")  # exact: rows in calls of at most EXACT_ROWS (the module docstring's bits);
-# padded: every row in PAD-row blocks (the other class of bits, module docstring); batched: llama.cpp's own sizes
-# (every row of a forward in calls of up to N_BATCH): a row's bits then depend on its call, so an answer can depend
-# on what shares its batch and speculation on plain decoding's low bits
+# padded: every row in the 4-row kernels' blocks (the other class of bits, module docstring); batched: llama.cpp's
+# own sizes (every row of a forward in calls of up to N_BATCH): a row's bits then depend on its call, so an answer
+# can depend on what shares its batch and speculation on plain decoding's low bits
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
@@ -72,7 +72,7 @@ KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's 
 N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
-PADDING = MAX_SEQ - 2  # the pad rows' id (positions 0..PAD - 2, alone); their cells go to the graveyard at once
+PADDING = MAX_SEQ - 2  # the pad rows' id (positions 0..2, alone); their cells go to the graveyard at once
 MAX_PROMPTS = 16  # prompts kept in the prompt memory (module docstring)
 RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
 
@@ -158,23 +158,7 @@ class LlamaModel:
         self.batch = L.llama_batch_init(N_BATCH, 0, MAX_SEQ)
         weakref.finalize(self, _free, L, self.model, self.ctx, self.batch)
         if calls == "padded":
-            self._check_padded()
-
-    def _check_padded(self) -> None:
-        """The padded class holds on this build and process: PAD rows alone and the same rows at the head of a
-        3 PAD-row call get the same bits (they would not with ggml's tiled matmul on, or other kernels)."""
-        L, rows = self.L, [(t, p, [0]) for p, t in enumerate(range(100, 100 + 3 * PAD))]
-        got = []
-        for n in (PAD, 3 * PAD):
-            out: list[list[np.ndarray]] = [[]]
-            self._decode([(0, rows[:n], [True] * n)], out, [[]])
-            got.append(np.stack(out[0][:PAD]))
-            L.llama_memory_clear(self.mem, False)
-        self.used, self.kernel_s = 0, 0.0
-        if not np.array_equal(*got):
-            raise SpeculorError("calls='padded' is not exact with this llama.cpp build or in this process (a row "
-                                "differs in calls of 4 and 12 rows: ggml's tiled matmul was already on?): use "
-                                "calls='exact'")
+            padded.check(self)
 
     @property
     def shared(self) -> LlamaModel:
@@ -204,7 +188,8 @@ class LlamaModel:
         buf = ctypes.create_string_buffer(256)
         self.L.llama_model_desc(self.model, buf, 256)
         kv = "/".join(KV_TYPES).lower()
-        rows = {"exact": f"exact{EXACT_ROWS}", "padded": f"padded{PAD}", "batched": f"batched{N_BATCH}"}[self.calls]
+        rows = {"exact": f"exact{EXACT_ROWS}", "padded": f"padded{padded.PAD}",
+                "batched": f"batched{N_BATCH}"}[self.calls]
         return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} {rows} kv {kv}"
 
     def vocabulary(self) -> list[bytes]:
@@ -372,10 +357,10 @@ class LlamaModel:
         states to hidden[block] while the embeddings output is on)."""
         L, b, k = self.L, self.batch, 0
         n = sum(len(rows) for _, rows, _ in call)
-        flips, pads = pad(n, sum(sum(w) for _, _, w in call)) if self.calls == "padded" else (0, 0)
+        flips, pads = padded.pad(n, sum(sum(w) for _, _, w in call)) if self.calls == "padded" else (0, 0)
         for _, rows, want in call:
             for (tok, pos, ids), w in zip(rows, want, strict=True):
-                if not w and flips:  # an output computed and not read: the call's outputs a multiple of PAD
+                if not w and flips:  # an output computed and not read: the call's outputs a multiple of 4
                     w, flips = True, flips - 1
                 b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, len(ids), w
                 for m, s in enumerate(ids):
@@ -407,13 +392,6 @@ class LlamaModel:
                         hidden[i].append(np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, k),
                                                                shape=(self.hidden_size,)).copy())
                 k += 1
-
-
-def pad(rows: int, outputs: int) -> tuple[int, int]:
-    """(flips, pads) that make a call of `rows` rows, `outputs` of them with outputs, PAD-aligned in both: flips
-    rows without an output given one, and pads rows added with one. (rows + pads) % PAD = (outputs + flips + pads)
-    % PAD = 0, so flips = (rows - outputs) % PAD: never more than the rows without one."""
-    return (rows - outputs) % PAD, -rows % PAD
 
 
 def rows_of(rows: list[np.ndarray]) -> np.ndarray:
