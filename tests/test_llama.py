@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from support.llama_rows import PARENTS, PATHS, PREFIX, PROMPT, TREE, alone, prefilled
 
 from speculor import SamplingConfig, Speculor
 from speculor.engine import batch as batched_engine
@@ -17,13 +18,6 @@ from speculor.runtime import llama
 from speculor.runtime.backend import Block, forward1
 
 pytestmark = pytest.mark.integration
-
-PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13, 576]
-# a tree below the root: a, b; a's children c, d; b's child e (region parents; the root is row 0)
-TREE = [100, 200, 300, 400, 500]
-PARENTS = [-1, 0, 0, 1, 1, 2]
-PATHS = {1: [100], 2: [200], 3: [100, 300], 4: [100, 400], 5: [200, 500]}
-
 
 @pytest.fixture(scope="module")
 def llama_pair():
@@ -36,25 +30,6 @@ def llama_pair():
 def draft(llama_pair):
     """The 0.5B GGUF: the cheaper model for the tests of the backend's own mechanics."""
     return llama_pair.draft
-
-
-def prefilled(model, tokens):
-    cache = model.new_cache()
-    forward1(model, cache, tokens)
-    cache.keep(list(range(len(tokens))))
-    return cache
-
-
-PREFIX = len(PROMPT) - 1
-
-
-def alone(model, seq, prefix=PREFIX):
-    """The last row's logits of seq, decoded one token a call after its prefix."""
-    cache = prefilled(model, seq[:prefix])
-    for t in seq[prefix:]:
-        logits = forward1(model, cache, [t]).logits[0]
-        cache.keep([0])
-    return logits
 
 
 def tree_logits(model):
@@ -92,7 +67,7 @@ def test_keys_and_values_of_one_type_differ_over_a_long_context(llama_pair, monk
 
 def test_rows_past_the_limit_in_one_call_differ(draft, monkeypatch):
     """Negative control: the whole tree in one llama_decode call (6 rows) does not give the one-row bits."""
-    monkeypatch.setattr(llama, "EXACT_ROWS", 8)
+    monkeypatch.setitem(llama.CALLS, "exact", (8, llama.N_BATCH))
     _, logits = tree_logits(draft)
     assert any(not torch.equal(logits[row], alone(draft, PROMPT + path)) for row, path in PATHS.items())
 

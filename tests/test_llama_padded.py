@@ -26,7 +26,8 @@ def test_pad_aligns_a_call_and_its_outputs(rows):
 
 
 def checks(*args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent.parent.parent / "src"),
+    root = SCRIPT.parent.parent.parent  # the support package beside the sources
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests"),
                                                          os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]

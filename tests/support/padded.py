@@ -12,25 +12,7 @@ from speculor import SamplingConfig, Speculor, load_pair
 from speculor.engine import batch as batched_engine
 from speculor.runtime import llama, llama_padded
 from speculor.runtime.backend import Block, forward1
-
-PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13, 576]
-TREE, PARENTS = [100, 200, 300, 400, 500], [-1, 0, 0, 1, 1, 2]
-PATHS = {1: [100], 2: [200], 3: [100, 300], 4: [100, 400], 5: [200, 500]}
-
-
-def prefilled(model, tokens):
-    cache = model.new_cache()
-    forward1(model, cache, tokens)
-    cache.keep(list(range(len(tokens))))
-    return cache
-
-
-def alone(model, seq, prefix):
-    cache = prefilled(model, seq[:prefix])
-    for t in seq[prefix:]:
-        logits = forward1(model, cache, [t]).logits[0]
-        cache.keep([0])
-    return logits
+from support.llama_rows import PARENTS, PATHS, PROMPT, TREE, alone, prefilled
 
 
 def tree_equals_alone(model, context) -> bool:

@@ -61,12 +61,13 @@ from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
-CALLS = ("exact", "padded", "batched")  # exact: rows in calls of at most EXACT_ROWS (the module docstring's bits);
-# padded: every row in the 4-row kernels' blocks (the other class of bits, module docstring); batched: llama.cpp's
-# own sizes (every row of a forward in calls of up to N_BATCH): a row's bits then depend on its call, so an answer
-# can depend on what shares its batch and speculation on plain decoding's low bits
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
+CALLS = {"exact": (EXACT_ROWS, N_BATCH), "padded": (N_UBATCH, N_UBATCH), "batched": (N_BATCH, N_BATCH)}
+# (most rows of a call of packed blocks, rows of a prompt's own calls). exact: the module docstring's bits; padded:
+# every row in the 4-row kernels' blocks, one ubatch a call (the other class of bits, module docstring); batched:
+# llama.cpp's own sizes: a row's bits then depend on its call, so an answer can depend on what shares its batch and
+# speculation on plain decoding's low bits
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
 # nor tiles a call (module docstring); Q8_0 values were as exact, and slower (docs/bench/cpu-never-slower)
 N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
@@ -188,8 +189,7 @@ class LlamaModel:
         buf = ctypes.create_string_buffer(256)
         self.L.llama_model_desc(self.model, buf, 256)
         kv = "/".join(KV_TYPES).lower()
-        rows = {"exact": f"exact{EXACT_ROWS}", "padded": f"padded{padded.PAD}",
-                "batched": f"batched{N_BATCH}"}[self.calls]
+        rows = f"padded{padded.PAD}" if self.calls == "padded" else f"{self.calls}{CALLS[self.calls][0]}"
         return f"llama.cpp {self.L.__version__} {buf.value.decode()} x{self.threads} {rows} kv {kv}"
 
     def vocabulary(self) -> list[bytes]:
@@ -292,8 +292,7 @@ class LlamaModel:
         self.release()
         self.make_room(blocks)
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
-        limit = {"exact": EXACT_ROWS, "padded": N_UBATCH, "batched": N_BATCH}[self.calls]
-        chunk = N_UBATCH if self.calls == "padded" else N_BATCH
+        limit, chunk = CALLS[self.calls]
         for i, b in enumerate(blocks):
             rows = self._rows(b)
             want = [not b.last or j == len(rows) - 1 for j in range(len(rows))]
