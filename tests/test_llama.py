@@ -275,6 +275,25 @@ def test_freeing_the_graveyard_in_place_changes_the_bits(draft, monkeypatch):
     assert all(same[:20]) and not all(same)
 
 
+def test_a_request_keeps_its_bits_across_a_compaction_of_forgotten_cells(draft):
+    """A memory whose forgotten cells outnumber its kept ones is compacted (runtime/llama_room.py: every call would
+    visit them) while it has room: a request decoding while another's 1100 cells are forgotten keeps the bits of
+    its steps alone, and the memory shrinks to the cells still kept."""
+    prompt = (PROMPT * 40)[:300]
+    ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=4096)
+    live = prefilled(ctx, list(range(1000, 1200)))
+    cache = prefilled(ctx, prompt[:-1])
+    gone = prefilled(ctx, list(range(2000, 3100)))
+    del gone
+    out, tok = [], prompt[-1]
+    for _ in range(8):
+        out.append(forward1(ctx, cache, [tok]).logits[0])
+        cache.keep([0])
+        tok = int(out[-1].argmax())
+    assert ctx.used == live.length + cache.length < 600
+    assert all(torch.equal(a, b) for a, b in zip(out, decoded(draft, prompt, 8), strict=True))
+
+
 def filled(ctx, tokens, chunk=32):
     """A cache holding `tokens`, filled in chunks as the server fills a prompt: the prompt memory's cells first."""
     cache = ctx.new_cache()

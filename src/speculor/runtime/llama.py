@@ -29,16 +29,18 @@ Same bits as plain decoding, in two parts:
   (llama.cpp places a row in the lowest free cell), putting a new token before an older one; so the cells a
   request forgets (rejected rows, finished requests) keep the graveyard id GRAVE, no cell is ever freed below a
   live one, and llama.cpp places every row above every occupied cell. When the rows of a forward would not fit
-  above them, the memory is compacted at the step's boundary: each request's cells are read out (llama.cpp's
-  sequence state: their bits, copied), the memory cleared, and written back from cell 0 up in the order they
-  held, the graveyard dropped. Only a draft model's tree grown by depth can meet a full memory inside a step:
+  above them, or the forgotten cells outnumber the kept ones (runtime/llama_room.py: every call visits them), the
+  memory is compacted at the step's boundary: each request's cells are read out (llama.cpp's sequence state:
+  their bits, copied), the memory cleared, and written back from cell 0 up in the order they held, the graveyard
+  dropped. Only a draft model's tree grown by depth can meet a full memory inside a step:
   the graveyard is then freed at once, and that draft's order (its proposals, never the target's rows) is no
   longer guaranteed.
 
 Prompt memory: the cells of a prompt filled in chunks stay under an id of their own after its request ends (the
-MAX_PROMPTS latest, oldest forgotten first); a later prompt that starts with the same chunks (or is the same prompt)
-takes them by `seq_cp` instead of computing them: the same calls over the same tokens and cells would give the
-same bits. They sit below the new request's rows, so its order holds; a compaction forgets them.
+MAX_PROMPTS latest in at most PROMPT_CELLS cells, oldest forgotten first); a later prompt that starts with the same
+chunks (or is the same prompt) takes them by `seq_cp` instead of computing them: the same calls over the same
+tokens and cells would give the same bits. They sit below the new request's rows, so its order holds; a compaction
+writes them back after the live requests' cells, or forgets them when the memory is full.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import torch
 
 from speculor.errors import SpeculorError
 from speculor.runtime import llama_padded as padded
+from speculor.runtime import llama_room as room
 from speculor.runtime.backend import Block, Rows, fit_vocab
 from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
@@ -226,9 +229,10 @@ class LlamaModel:
     def remember(self, cache: LlamaCache, tokens: list[int], chunk: int) -> None:
         """Keep the cells of a prompt just filled in chunks of `chunk` from position 0 (`tokens`, all in the cache)."""
         key = (chunk, *tokens)
-        if key in self.prompts or not tokens or len(self.free_ids) < MAX_SEQ // 2:  # ids for requests first
-            return
-        if len(self.prompts) >= MAX_PROMPTS:
+        if key in self.prompts or not 0 < len(tokens) <= room.PROMPT_CELLS or len(self.free_ids) < MAX_SEQ // 2:
+            return  # (ids for requests first)
+        while self.prompts and (len(self.prompts) >= MAX_PROMPTS
+                                or sum(map(len, self.prompts)) - len(self.prompts) + len(tokens) > room.PROMPT_CELLS):
             self.drop([self.prompts.pop(next(iter(self.prompts)))])
         s = self.seq_id()
         self.L.llama_memory_seq_cp(self.mem, cache.base, s, 0, len(tokens))
@@ -259,29 +263,21 @@ class LlamaModel:
     def live_cells(self) -> int:
         return sum(c.length + len(c.parents) for c in self.caches)
 
+    def kept_cells(self) -> int:
+        """Cells a compaction writes back: the live requests' and the prompt memory's."""
+        return self.live_cells() + sum(len(key) - 1 for key in self.prompts)
+
     def make_room(self, blocks: Sequence[Block]) -> None:
-        """Compact the memory (module docstring) if the blocks' rows would not fit above its occupied cells with
-        RESERVE to spare, the graveyard holds cells and no request has rows pending (a step's boundary)."""
-        need = sum(len(b.tokens) for b in blocks)
-        if self.used + need + RESERVE <= self.size or self.used == self.live_cells():
+        """Compact the memory (runtime/llama_room.py) when it is due and no request has rows pending (a step's
+        boundary); a full one forgets its prompt memory."""
+        why = room.due(self.used, self.kept_cells(), sum(len(b.tokens) for b in blocks), self.size - RESERVE)
+        if why is None:
             return
         for b in blocks:
             if not b.append:
                 b.cache.trim(b.cache.length)
-        if any(c.parents for c in self.caches):
-            return
-        self.drop(list(self.prompts.values()))
-        self.prompts.clear()
-        L, states = self.L, []
-        for c in self.caches:
-            n = L.llama_state_seq_get_size(self.ctx, c.base)
-            buf = (ctypes.c_uint8 * n)()
-            states.append((c, buf, L.llama_state_seq_get_data(self.ctx, buf, n, c.base)))
-        L.llama_memory_clear(self.mem, False)
-        for c, buf, n in states:
-            if L.llama_state_seq_set_data(self.ctx, buf, n, c.base) != n:
-                raise SpeculorError("llama.cpp could not write a request's cells back while compacting its memory")
-        self.used = self.live_cells()
+        if not any(c.parents for c in self.caches):
+            room.compact(self, prompts=why == "stale")
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
         """Per block its `Rows`: logits [n, V] (fp32, host), or [1, V] with `last`; with `hidden` the hidden states
