@@ -41,6 +41,11 @@ FAKE = textwrap.dedent('''\
             pass
 
         def do_GET(self):
+            if self.path == "/metrics":  # as speculor serve's: its peak memory
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"# TYPE speculor_peak_memory_gib gauge\nspeculor_peak_memory_gib 1.25\n")
+                return
             polls[0] += 1
             code = 200 if self.path == "/health" and polls[0] > 2 else 503
             self.send_response(code)
@@ -167,7 +172,7 @@ def test_rows_with_a_peer_get_the_ratio_and_the_server_column() -> None:
     assert len(table) == 6 and all(line.count("|") == table[0].count("|") for line in table)
     assert table[2].startswith("| speculor | server default | 1 (one by one) |") and "| 1.50 |" in table[2]
     assert "| 2.50 | - |" in table[2]  # tau; no same-answer count for the one-by-one round
-    assert "| 0.50 / 0.90 | 0.100 / 0.200 |" in table[3] and table[3].endswith("| 3 / 4 |")
+    assert "| 0.50 / 0.90 | 0.100 / 0.200 |" in table[3] and table[3].endswith("| 3 / 4 | - |")  # no peak memory given
     assert table[5].startswith("| llama-server | - | 4 |") and "| 8.00 | - |" in table[5]
     assert table[5].endswith("| - | 4 / 4 |")
     assert [loadtest.label(r) for r in rows] == ["server default"] * 2 + ["llama-server"] * 2
@@ -236,6 +241,9 @@ def test_loadtest_with_the_peer_end_to_end(fake, gguf, tmp_path, monkeypatch, ca
     assert all(r["vs_peer"] > 0 for r in rows[:3]) and not any("vs_peer" in r for r in rows[3:])
     assert "one-client answers equal between speculor and llama-server: 2 of 2 prompts" in captured.err
     assert "| ÷ llama-server |" in captured.out and out.with_suffix(".png").exists()
+    assert all(r["peak_memory_gib"] == 1.25 for r in rows[:3])  # from our server's /metrics
+    assert all(0 < r["peak_memory_gib"] < 1 for r in rows[3:])  # the peer's own peak resident set (a small script)
+    assert "| peak GiB |" in captured.out
     peer_log = out.with_suffix(".llama-server.log")
     assert "fake llama-server listening" in peer_log.read_text()
     _, our_bodies = _records(tmp_path, port)

@@ -162,6 +162,18 @@ def series(url: str, prompts: list[str], concurrencies: list[int], strategies: s
     return rows, first
 
 
+def peak_memory_gib(url: str) -> float | None:
+    """The server's peak memory since it started, from its /metrics (`speculor_peak_memory_gib`; a Ray Serve
+    replica's or another server's may not say: None)."""
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=30.0).text
+    except httpx.HTTPError:
+        return None
+    line = next((ln for ln in text.splitlines() if ln.startswith("speculor_peak_memory_gib ")), None)
+    peak = float(line.split()[1]) if line else None
+    return peak if peak == peak else None  # NaN: the OS did not say
+
+
 def label(row: dict[str, Any]) -> str:
     """A row's series: the peer server's name, else the requests' strategy, else the server's default."""
     return row.get("peer") or row.get("strategy") or "server default"
@@ -188,7 +200,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     """A markdown table, one row per round; with peer rows, the server column and our tokens/s ÷ the peer's."""
     peer = next((r["peer"] for r in rows if r.get("peer")), None)
     cols = ["strategy", "clients", "requests", "tokens", "wall s", "tokens/s"] + ([f"÷ {peer}"] if peer else []) + [
-        "TTFT p50 / p99 s", "TPOT p50 / p99 s", "latency p50 / max s", "tau", "same answers"]
+        "TTFT p50 / p99 s", "TPOT p50 / p99 s", "latency p50 / max s", "tau", "same answers", "peak GiB"]
     lines = ["| " + " | ".join(["server"] * bool(peer) + cols) + " |", "|" + "---|" * (len(cols) + bool(peer))]
     for r in rows:
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
@@ -201,7 +213,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             cells.append(f"{r['vs_peer']:.2f}" if r.get("vs_peer") is not None else "-")
         cells += [f"{r['ttft_median_s']:.2f} / {r['ttft_p99_s']:.2f}",
                   f"{r['tpot_median_s']:.3f} / {r['tpot_p99_s']:.3f}",
-                  f"{r['latency_median_s']:.1f} / {r['latency_max_s']:.1f}", tau, same]
+                  f"{r['latency_median_s']:.1f} / {r['latency_max_s']:.1f}", tau, same,
+                  f"{r['peak_memory_gib']:.2f}" if r.get("peak_memory_gib") is not None else "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ import httpx
 from speculor.errors import SpeculorError
 from speculor.runtime import embedded
 from speculor.runtime.assets import cache_dir
+from speculor.runtime.memory import peak_rss_gib
 
 CONTEXT = 32768  # -c: the KV cells of all slots together, as its users start it
 
@@ -82,9 +83,10 @@ def tail(path: Path, lines: int = 15) -> str:
 
 @contextmanager
 def llama_server(binary: Path, gguf: Path, *, threads: int, parallel: int, log: Path | None = None,
-                 ready_timeout: float = 600.0) -> Iterator[str]:
+                 ready_timeout: float = 600.0, peaks: list[float | None] | None = None) -> Iterator[str]:
     """A llama-server started in its own process group (stdout and stderr to `log`, a temporary file if none), its
-    URL yielded once GET /health answers 200, then stopped (terminated, killed if it lingers)."""
+    URL yielded once GET /health answers 200, then stopped (terminated, killed if it lingers); its peak resident
+    set appended to `peaks` (if given) just before."""
     port = free_port()
     if log is None:
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
@@ -99,6 +101,8 @@ def llama_server(binary: Path, gguf: Path, *, threads: int, parallel: int, log: 
         wait_healthy(proc, url, log, ready_timeout)
         yield url
     finally:
+        if peaks is not None:
+            peaks.append(peak_rss_gib(proc.pid))
         stop(proc)
 
 
@@ -137,7 +141,8 @@ def rounds(name: str, binary: Path, gguf: Path, prompts: list[str], concurrencie
     from speculor.bench import loadtest
 
     theirs: dict[str, str] = {}
-    with llama_server(binary, gguf, threads=threads, parallel=max(concurrencies), log=log) as url:
+    peaks: list[float | None] = []
+    with llama_server(binary, gguf, threads=threads, parallel=max(concurrencies), log=log, peaks=peaks) as url:
         rows = [r | {"peer": name} for r in loadtest.run(url, prompts, concurrencies, requests=requests,
                                                           max_tokens=max_tokens, reference=True, answers=theirs)]
-    return rows, theirs
+    return [r | {"peak_memory_gib": peaks[0]} for r in rows], theirs

@@ -27,6 +27,8 @@ def run(args: Args) -> None:
     kw = dict(requests=args.requests, max_tokens=args.max_tokens)
     rows, ours = loadtest.series(args.url, texts, clients, args.strategy, reference=args.reference or bool(args.peer),
                                  **kw)
+    peak = loadtest.peak_memory_gib(args.url)  # after every round: the server's peak through them
+    rows = [r | {"peak_memory_gib": peak} for r in rows]
     if args.peer:
         threads = args.threads or os.cpu_count() or 1
         log = Path(args.out).with_suffix(".llama-server.log") if args.out else None

@@ -11,16 +11,18 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-_STATUS = Path("/proc/self/status")
+if TYPE_CHECKING:  # torch only where a GPU's allocator is asked: the loadtest client reads a server's peak too
+    import torch
 
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new high-water mark: CUDA's allocator statistics, or on Linux the process's peak resident set
     (writing 5 to /proc/self/clear_refs resets VmHWM to the current resident set)."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.reset_peak_memory_stats(device)
         return
     try:
@@ -33,6 +35,8 @@ def peak_memory_gib(device: torch.device) -> float | None:
     """GiB at the high-water mark since `reset_peak_memory` (or since the process started): tensors allocated on a
     GPU, or the process's resident set on a CPU (the models included); None where the OS does not say."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**30
     return _status_gib("VmHWM")
 
@@ -42,10 +46,15 @@ def resident_gib() -> float | None:
     return _status_gib("VmRSS")
 
 
-def _status_gib(key: str) -> float | None:
-    """A kB field of /proc/self/status in GiB (None off Linux)."""
+def peak_rss_gib(pid: int) -> float | None:
+    """Another process's peak resident set (VmHWM), in GiB; None where the OS does not say."""
+    return _status_gib("VmHWM", str(pid))
+
+
+def _status_gib(key: str, pid: str = "self") -> float | None:
+    """A kB field of /proc/<pid>/status in GiB (None off Linux)."""
     try:
-        status = _STATUS.read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     line = next((ln for ln in status.splitlines() if ln.startswith(f"{key}:")), None)
