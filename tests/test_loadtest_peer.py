@@ -44,7 +44,7 @@ FAKE = textwrap.dedent('''\
             if self.path == "/metrics":  # as speculor serve's: its peak memory
                 self.send_response(200)
                 self.end_headers()
-                self.wfile.write(b"# TYPE speculor_peak_memory_gib gauge\nspeculor_peak_memory_gib 1.25\n")
+                self.wfile.write(b"# TYPE speculor_peak_memory_gib gauge\\nspeculor_peak_memory_gib 1.25\\n")
                 return
             polls[0] += 1
             code = 200 if self.path == "/health" and polls[0] > 2 else 503
@@ -174,7 +174,7 @@ def test_rows_with_a_peer_get_the_ratio_and_the_server_column() -> None:
     assert "| 2.50 | - |" in table[2]  # tau; no same-answer count for the one-by-one round
     assert "| 0.50 / 0.90 | 0.100 / 0.200 |" in table[3] and table[3].endswith("| 3 / 4 | - |")  # no peak memory given
     assert table[5].startswith("| llama-server | - | 4 |") and "| 8.00 | - |" in table[5]
-    assert table[5].endswith("| - | 4 / 4 |")
+    assert table[5].endswith("| - | 4 / 4 | - |")
     assert [loadtest.label(r) for r in rows] == ["server default"] * 2 + ["llama-server"] * 2
 
 
