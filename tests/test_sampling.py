@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculor import SamplingConfig, SpeculorError
-from speculor.core.sampling import check_finite, greedy, residual, sample, warp
+from speculor.core.sampling import check_finite, draws, greedy, residual, sample, warp
 
 # ---------------------------------------------------------------- SamplingConfig
 
@@ -127,6 +127,23 @@ def test_warp_top_p_keeps_the_smallest_prefix_reaching_top_p(top_p, kept):
     assert abs(float(probs.sum()) - 1) < 1e-6
 
 
+@pytest.mark.parametrize("first", [1, 8, 64, 10**9])
+def test_top_p_among_the_largest_first_equals_the_full_sort(first, monkeypatch):
+    """top-p looks among the TOP_P_FIRST largest first, the whole row when they do not reach p: the same tokens
+    kept either way, on peaked and flat rows."""
+    import speculor.core.sampling as sampling
+
+    z = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * torch.tensor([[4.0], [1.0], [0.1]])
+    probs = torch.softmax(z, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, (sorted_p.cumsum(-1) - sorted_p) >= 0.9)
+    want = probs.masked_fill(drop, 0.0)
+    monkeypatch.setattr(sampling, "TOP_P_FIRST", first)
+    got = sampling.top_p(probs, 0.9)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want / want.sum(-1, keepdim=True))
+
+
 def test_warp_top_p_tiny_keeps_the_argmax():
     assert warp(P4.log(), SamplingConfig(temperature=1.0, top_p=1e-6)).tolist() == [0.0, 1.0, 0.0, 0.0]
 
@@ -176,6 +193,27 @@ def test_sample_point_mass_and_seeded():
     draws = [sample(probs, torch.Generator().manual_seed(s)) for s in range(20)]
     assert draws == [sample(probs, torch.Generator().manual_seed(s)) for s in range(20)]
     assert set(draws) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("unnormalised", [1.0, 3.7])
+def test_draws_follow_the_probabilities_and_never_a_zero_mass_token(unnormalised):
+    """The inverse-CDF draws (chi-square against probs), and a negative control: the same counts against the
+    probabilities with two entries swapped are rejected."""
+    from scipy.stats import chisquare
+
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.45, 0.05, 0.4, 0.0], dtype=torch.float64) * unnormalised
+    got = torch.bincount(torch.tensor(draws(probs, 40000, torch.Generator().manual_seed(1))), minlength=7)
+    assert int(got[probs == 0].sum()) == 0
+    keep = probs > 0
+    law = probs[keep] / probs[keep].sum()
+    assert chisquare(got[keep].double(), law * got.sum()).pvalue > 1e-3
+    swapped = law[[0, 2, 1, 3]]
+    assert chisquare(got[keep].double(), swapped * got.sum()).pvalue < 1e-3
+
+
+def test_a_draw_rounded_past_the_last_cumulative_mass_takes_the_last_token_with_mass(monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], dtype=torch.float64))
+    assert draws(torch.tensor([0.3, 0.7, 0.0, 0.0]), 2, None) == [1, 1]
 
 
 def test_residual_is_the_normalised_positive_part():
