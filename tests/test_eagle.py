@@ -148,7 +148,8 @@ def test_the_drafter_reads_the_targets_own_features(target):
     assert drafter.store.f, "no feature reached the drafter"
     for pos, f in drafter.store.f.items():
         assert torch.equal(f, one_hot(torch.tensor(seq[pos]))), f"position {pos}"
-    assert max(drafter.store.f) == len(seq) - 2  # the last emitted token is the next root: not yet seen
+    # the last emitted token is seen only if an accepted draft row emitted it (a bonus token is the next root)
+    assert max(drafter.store.f) >= len(seq) - 2 and max(drafter.store.f) < len(seq)
 
 
 def test_the_prefill_gives_the_feature_of_its_last_position(target):
