@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculor import SamplingConfig, SpeculorError
-from speculor.core.sampling import check_finite, draws, greedy, residual, sample, warp
+from speculor.core.sampling import check_finite, draw_iid, greedy, residual, sample, warp
 
 # ---------------------------------------------------------------- SamplingConfig
 
@@ -202,7 +202,7 @@ def test_draws_follow_the_probabilities_and_never_a_zero_mass_token(unnormalised
     from scipy.stats import chisquare
 
     probs = torch.tensor([0.0, 0.1, 0.0, 0.45, 0.05, 0.4, 0.0], dtype=torch.float64) * unnormalised
-    got = torch.bincount(torch.tensor(draws(probs, 40000, torch.Generator().manual_seed(1))), minlength=7)
+    got = torch.bincount(torch.tensor(draw_iid(probs, 40000, torch.Generator().manual_seed(1))), minlength=7)
     assert int(got[probs == 0].sum()) == 0
     keep = probs > 0
     law = probs[keep] / probs[keep].sum()
@@ -213,7 +213,7 @@ def test_draws_follow_the_probabilities_and_never_a_zero_mass_token(unnormalised
 
 def test_a_draw_rounded_past_the_last_cumulative_mass_takes_the_last_token_with_mass(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], dtype=torch.float64))
-    assert draws(torch.tensor([0.3, 0.7, 0.0, 0.0]), 2, None) == [1, 1]
+    assert draw_iid(torch.tensor([0.3, 0.7, 0.0, 0.0]), 2, None) == [1, 1]
 
 
 def test_residual_is_the_normalised_positive_part():

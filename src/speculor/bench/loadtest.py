@@ -165,12 +165,14 @@ def series(url: str, prompts: list[str], concurrencies: list[int], strategies: s
 def peak_memory_gib(url: str) -> float | None:
     """The server's peak memory since it started, from its /metrics (`speculor_peak_memory_gib`; a Ray Serve
     replica's or another server's may not say: None)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         text = httpx.get(url.rstrip("/") + "/metrics", timeout=30.0).text
     except httpx.HTTPError:
         return None
-    line = next((ln for ln in text.splitlines() if ln.startswith("speculor_peak_memory_gib ")), None)
-    peak = float(line.split()[1]) if line else None
+    peak = next((s.value for f in text_string_to_metric_families(text) if f.name == "speculor_peak_memory_gib"
+                 for s in f.samples), None)
     return peak if peak == peak else None  # NaN: the OS did not say
 
 

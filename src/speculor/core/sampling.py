@@ -54,21 +54,7 @@ def top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from a probability vector [V] (mass need not sum to 1)."""
-    return draws(probs, 1, generator)[0]
-
-
-def draws(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
-    """k independent draws from probs [V], in draw order. On the CPU by the inverse CDF: token i for uniform
-    u * C[V-1] in [C[i-1], C[i]), C the fp64 cumulative sum, so P(i) = probs[i] / sum and a zero-mass token is
-    never drawn (C[i] = C[i-1]); torch.multinomial spends 5 ms a draw over 151,936 entries on this CPU."""
-    if probs.device.type != "cpu":
-        return torch.multinomial(probs, k, replacement=True, generator=generator).tolist()
-    c = torch.cumsum(probs, 0, dtype=torch.float64)
-    u = torch.rand(k, dtype=torch.float64, generator=generator) * c[-1]
-    i = torch.searchsorted(c, u, right=True)
-    if bool((i == len(c)).any()):  # u * C[V-1] rounded up to C[V-1]: the last token with mass
-        i[i == len(c)] = int(torch.nonzero(probs).max())
-    return i.tolist()
+    return draw_iid(probs, 1, generator)[0]
 
 
 def greedy(logits: torch.Tensor) -> int:
@@ -87,8 +73,19 @@ def residual(r: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
 
 
 def draw_iid(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
-    """k independent draws from q [V], in draw order; repeats are kept (MSS verifies each draw, §2)."""
-    return draws(q, k, generator)
+    """k independent draws from q [V] (mass need not sum to 1), in draw order; repeats are kept (MSS verifies each
+    draw, §2). On the CPU by the inverse CDF: token i for uniform u * C[V-1] in [C[i-1], C[i]), C the fp64
+    cumulative sum, so P(i) = q[i] / sum and a zero-mass token is never drawn (C[i] = C[i-1]); torch.multinomial
+    spends 5 ms a draw over 151,936 entries on this CPU."""
+    if q.device.type != "cpu":
+        return torch.multinomial(q, k, replacement=True, generator=generator).tolist()
+    c = torch.cumsum(q, 0, dtype=torch.float64)
+    u = torch.rand(k, dtype=torch.float64, generator=generator) * c[-1]
+    i = torch.searchsorted(c, u, right=True)
+    past = i == len(c)  # u * C[V-1] rounded up to C[V-1]: the last token with mass
+    if bool(past.any()):
+        i[past] = int(torch.nonzero(q).max())
+    return i.tolist()
 
 
 def draw_swor(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:

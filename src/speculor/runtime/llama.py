@@ -232,7 +232,7 @@ class LlamaModel:
         if key in self.prompts or not 0 < len(tokens) <= room.PROMPT_CELLS or len(self.free_ids) < MAX_SEQ // 2:
             return  # (ids for requests first)
         while self.prompts and (len(self.prompts) >= MAX_PROMPTS
-                                or sum(map(len, self.prompts)) - len(self.prompts) + len(tokens) > room.PROMPT_CELLS):
+                                or self.prompt_cells() + len(tokens) > room.PROMPT_CELLS):
             self.drop([self.prompts.pop(next(iter(self.prompts)))])
         s = self.seq_id()
         self.L.llama_memory_seq_cp(self.mem, cache.base, s, 0, len(tokens))
@@ -263,9 +263,12 @@ class LlamaModel:
     def live_cells(self) -> int:
         return sum(c.length + len(c.parents) for c in self.caches)
 
+    def prompt_cells(self) -> int:
+        return sum(len(key) - 1 for key in self.prompts)  # a key is (chunk, *tokens)
+
     def kept_cells(self) -> int:
         """Cells a compaction writes back: the live requests' and the prompt memory's."""
-        return self.live_cells() + sum(len(key) - 1 for key in self.prompts)
+        return self.live_cells() + self.prompt_cells()
 
     def make_room(self, blocks: Sequence[Block]) -> None:
         """Compact the memory (runtime/llama_room.py) when it is due and no request has rows pending (a step's
