@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from support.llama_rows import PARENTS, PATHS, PREFIX, PROMPT, TREE, alone, prefilled
@@ -14,7 +15,7 @@ from support.llama_rows import PARENTS, PATHS, PREFIX, PROMPT, TREE, alone, pref
 from speculor import SamplingConfig, Speculor
 from speculor.engine import batch as batched_engine
 from speculor.errors import SpeculorError
-from speculor.runtime import llama
+from speculor.runtime import llama, llama_fill
 from speculor.runtime.backend import Block, forward1
 
 pytestmark = pytest.mark.integration
@@ -327,6 +328,80 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft):
         assert lent == lends
         want = steps_after(fresh, filled(fresh, prompt[:-1])[0], prompt[-1])
         assert all(torch.equal(a, b) for a, b in zip(steps_after(ctx, cache, prompt[-1]), want, strict=True))
+
+
+def without_flash_attention(model, prompt):
+    """llama.cpp's own context over the model's weights and KV types, flash attention off: the logits of the
+    prompt's last row (filled in calls of N_BATCH rows) and of the step after it on the prompt's argmax."""
+    L = model.L
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 2048, llama.N_BATCH, llama.N_UBATCH, 1
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.flash_attn_type, (cp.type_k, cp.type_v) = L.LLAMA_FLASH_ATTN_TYPE_DISABLED, model.kv
+    ctx, b, out = L.llama_init_from_model(model.model, cp), L.llama_batch_init(llama.N_BATCH, 0, 1), []
+    for part in [*(range(i, min(i + llama.N_BATCH, len(prompt))) for i in range(0, len(prompt), llama.N_BATCH)),
+                 [len(prompt)]]:
+        for k, i in enumerate(part):
+            tok = prompt[i] if i < len(prompt) else int(out[-1].argmax())
+            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k], b.seq_id[k][0] = tok, i, 1, i == part[-1], 0
+        b.n_tokens = len(part)
+        assert L.llama_decode(ctx, b) == 0
+        out.append(torch.from_numpy(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, len(part) - 1),
+                                                          shape=(model.n_vocab,)).copy())[:model.vocab_size])
+    L.llama_batch_free(b)
+    L.llama_free(ctx)
+    return out[-2:]
+
+
+def step_after_prompt(model, prompt):
+    cache = model.new_cache()
+    first = forward1(model, cache, prompt, last=True).logits[-1]
+    cache.keep(list(range(len(prompt))))
+    return first, forward1(model, cache, [int(first.argmax())]).logits[0]
+
+
+def test_a_prompt_is_filled_as_llama_cpp_fills_it_without_flash_attention(draft, monkeypatch):
+    """A prompt block is computed in the prompts' context (runtime/llama_fill.py): its last row has the bits of
+    llama.cpp's own context without flash attention, and the next step, with flash attention over the cells copied
+    into the shared memory, differs from that context's by rounding alone. Negative control: values copied
+    without their transposition are another model's."""
+    prompt = (PROMPT * 60)[:600]
+    first, after = without_flash_attention(draft, prompt)
+    ours = step_after_prompt(llama.LlamaModel(draft.path, threads=2, n_ctx=2048), prompt)
+    assert torch.equal(ours[0], first)
+    near = float((ours[1] - after).abs().max())
+    read = llama_fill.parse
+    monkeypatch.setattr(llama_fill, "parse", lambda buf: untransposed(read(buf)))
+    far = float((step_after_prompt(llama.LlamaModel(draft.path, threads=2, n_ctx=2048), prompt)[1] - after)
+                .abs().max())
+    assert near < 1.0 < 5.0 < far, (near, far)
+
+
+def untransposed(s):
+    """The values' bytes read as if their layout were the other one."""
+    s.values = [(vt, el, np.ascontiguousarray(v).reshape(v.shape[1], v.shape[0], el).transpose(1, 0, 2))
+                for vt, el, v in s.values]
+    return s
+
+
+def test_a_prompt_keeps_its_bits_when_another_prompt_is_filled_between_its_chunks(draft):
+    """The prompts' context holds one request's cells at a time: a prompt whose chunks alternate with another
+    request's has its cells copied back in before its next chunk, and its steps keep the bits of the same chunks
+    filled in a row."""
+    p, q = (PROMPT * 20)[:200], list(range(3000, 3100))
+    ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+
+    def chunk(cache, tokens):
+        forward1(ctx, cache, tokens)
+        cache.keep(list(range(len(tokens))))
+
+    a, b, c = ctx.new_cache(), ctx.new_cache(), ctx.new_cache()
+    chunk(a, p[:100])
+    chunk(a, p[100:199])
+    chunk(b, p[:100])
+    chunk(c, q)
+    chunk(b, p[100:199])
+    assert all(torch.equal(x, y) for x, y in zip(steps_after(ctx, b, p[-1]), steps_after(ctx, a, p[-1]), strict=True))
 
 
 def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):

@@ -6,9 +6,12 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
+import torch
+
 from speculor.runtime.pending import PendingRows
 
 if TYPE_CHECKING:
+    from speculor.runtime.backend import Block
     from speculor.runtime.llama import LlamaModel
 
 
@@ -35,6 +38,31 @@ class LlamaCache(PendingRows):
         """Whether a path already continues from row p (or from the committed tip, p = -1)."""
         own = self.base if p < 0 else self.own[p]
         return any(self.parents[r] == p and self.own[r] == own for r in range(len(self.parents) - 1))
+
+    def rows(self, b: Block) -> list[tuple[int, int, list[int]]]:
+        """The block's rows as (token, position, sequence ids), the pending rows' bookkeeping updated."""
+        if not b.append:
+            self.trim(self.length)
+        tokens = [int(t) for t in (b.tokens.tolist() if torch.is_tensor(b.tokens) else b.tokens)]
+        start = len(self.parents)
+        parents = (list(range(start - 1, start + len(tokens) - 1)) if b.parents is None
+                   else [int(p) for p in torch.as_tensor(b.parents).tolist()])
+        ids: list[list[int]] = []
+        for p in parents:
+            self.add([p])
+            if not self.branched(p):  # the first child continues its parent's path
+                own = self.base if p < 0 else self.own[p]
+            else:  # another path: its id on the in-block ancestors, copied onto the cells of the rest
+                own = self.new_id()
+                a = p
+                while a >= start:
+                    ids[a - start].append(own)
+                    a = self.parents[a]
+                src, upto = (self.base, self.length) if a < 0 else (self.own[a], self.length + self.depth[a] + 1)
+                self.L.llama_memory_seq_cp(self.mem, src, own, 0, upto)
+            self.own.append(own)
+            ids.append([own])
+        return [(t, self.length + self.depth[start + i], ids[i]) for i, t in enumerate(tokens)]
 
     def keep(self, rows: list[int]) -> None:
         """Commit the pending rows `rows` (a path down from the committed tip, ascending); drop the rest."""
