@@ -335,7 +335,7 @@ def without_flash_attention(model, prompt):
     prompt's last row (filled in calls of N_BATCH rows) and of the step after it on the prompt's argmax."""
     L = model.L
     cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 2048, llama.N_BATCH, llama.N_UBATCH, 1
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 2048, llama.N_BATCH, llama.N_BATCH, 1
     cp.n_threads = cp.n_threads_batch = 2
     cp.flash_attn_type, (cp.type_k, cp.type_v) = L.LLAMA_FLASH_ATTN_TYPE_DISABLED, model.kv
     ctx, b, out = L.llama_init_from_model(model.model, cp), L.llama_batch_init(llama.N_BATCH, 0, 1), []

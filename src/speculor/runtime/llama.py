@@ -326,10 +326,11 @@ class LlamaModel:
     def _fills(self, b: Block, rows: list) -> bool:
         """Whether a prompt block is filled in the prompts' context: in the exact class, a chain on the base id
         ending within its cells (made here the first time)."""
-        if self.calls != "exact" or rows[-1][1] >= fill.CELLS or any(ids != [b.cache.base] for _, _, ids in rows):
+        cells = min(fill.CELLS, self.size) if self.calls == "exact" else 0
+        if rows[-1][1] >= cells or any(ids != [b.cache.base] for _, _, ids in rows):
             return False
         if not self.sides:
-            self.sides.append(fill.Fill(self, self.kv, N_BATCH, N_UBATCH))
+            self.sides.append(fill.Fill(self, self.kv, cells, N_BATCH, N_BATCH))  # a call in one ubatch, as llama.cpp
         return True
 
     def _embeddings(self, on: bool) -> None:

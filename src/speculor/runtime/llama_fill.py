@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from speculor.runtime.llama import LlamaModel
     from speculor.runtime.llama_cache import LlamaCache
 
-CELLS = 8192  # the side context's cells: a prompt block ending past them is filled in the shared memory instead
+CELLS = 8192  # the side context's cells at most (a shared memory's if fewer): a prompt block ending past them is
+# filled in the shared memory instead
 MAGIC = 0xAF143CD8  # a sequence state's first 4 bytes (llama-context.cpp, io_magic)
 ELEMENT = {0: 4, 1: 2, 30: 2}  # bytes of an element of the ggml types values may have without flash attention
 META = np.dtype([("pos", "<i4"), ("n", "<u4"), ("seq", "<i4")])  # a cell of one sequence's state: position, 1 id
@@ -118,13 +119,14 @@ def set_state(L, ctx, buf: np.ndarray, seq: int) -> None:
 
 class Fill:
     """The side context of a `LlamaModel` (module docstring): flash attention off, the shared memory's KV types,
-    one sequence (id 0), CELLS cells; it remembers whose first cells it holds, so that a prompt filled chunk by
+    one sequence (id 0), `cells` cells; it remembers whose first cells it holds, so that a prompt filled chunk by
     chunk is copied in once."""
 
-    def __init__(self, model: LlamaModel, kv_types: tuple[int, int], n_batch: int, n_ubatch: int) -> None:
+    def __init__(self, model: LlamaModel, kv_types: tuple[int, int], cells: int, n_batch: int, n_ubatch: int
+                 ) -> None:
         L = self.L = model.L
         cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = CELLS, n_batch, n_ubatch, 1
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = cells, n_batch, n_ubatch, 1
         cp.n_threads = cp.n_threads_batch = model.threads
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.type_k, cp.type_v = kv_types
