@@ -404,6 +404,29 @@ def test_a_prompt_keeps_its_bits_when_another_prompt_is_filled_between_its_chunk
     assert all(torch.equal(x, y) for x, y in zip(steps_after(ctx, b, p[-1]), steps_after(ctx, a, p[-1]), strict=True))
 
 
+def test_a_prompt_after_a_rewound_cache_is_copied_in_again(draft):
+    """A cache cut below the cells the prompts' context holds, and regrown to the same length by other tokens, has
+    its cells copied in again before its next prompt block: its steps equal those of a cache that took the copy."""
+    p, x = (PROMPT * 20)[:200], [7, 8]
+    ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+
+    def chunk(cache, tokens):
+        forward1(ctx, cache, tokens)
+        cache.keep(list(range(len(tokens))))
+
+    steps = []
+    for other in (False, True):
+        cache = ctx.new_cache()
+        chunk(cache, p[:100])
+        cache.trim(98)
+        chunk(cache, x)  # two rows: the shared memory's own calls
+        if other:  # another prompt in the prompts' context: the cache is copied in, whatever it remembered
+            chunk(ctx.new_cache(), list(range(3000, 3050)))
+        chunk(cache, p[100:199])
+        steps.append(steps_after(ctx, cache, p[-1]))
+    assert all(torch.equal(a, b) for a, b in zip(*steps, strict=True))
+
+
 def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
     """calls='batched' runs a forward's rows in llama.cpp's own call sizes (one call for a 6-row tree, where the exact
     calls take two); a bad value, or the setting on torch, is refused."""

@@ -3,6 +3,7 @@ for the committed entries, one more id per extra path of its pending tree, and t
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ class LlamaCache(PendingRows):
         self.base = model.seq_id()
         self.own: list[int] = []  # pending rows: the id of the row's own path
         self.extra: list[int] = []  # ids of this request's other paths
+        self.forgot = math.inf  # the lowest position forgotten since the prompts' context last copied its cells
         model.live += 1
         model.caches.add(self)
         weakref.finalize(self, model.dead.append, (self.base, self.extra))  # `extra` as it is then
@@ -79,6 +81,7 @@ class LlamaCache(PendingRows):
         """Forget every entry from slot n on (pending rows included: only a chain's may be partly kept)."""
         if n >= self.length + len(self.parents):
             return
+        self.forgot = min(self.forgot, n)
         keep = self.kept(n)
         chain = self.is_chain(keep) and set(self.own[:keep]) <= {self.base}
         assert chain, "only a chain's pending rows are partly kept"

@@ -15,6 +15,7 @@ state's bytes from one layout to the other (both are plain arrays of one element
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -150,7 +151,7 @@ class Fill:
         cache's base id into the shared memory, above every occupied cell."""
         L, start, end = self.L, rows[0][1], rows[-1][1] + 1
         owner, n = self.holds
-        if owner is None or owner() is not cache or n != start:  # the request's first cells, copied in
+        if owner is None or owner() is not cache or n != start or cache.forgot < n:  # its first cells, copied in
             L.llama_memory_clear(self.mem, True)
             self.holds = (None, 0)
             if start:
@@ -176,7 +177,7 @@ class Fill:
                     hidden.append(np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, k),
                                                         shape=(model.hidden_size,)).copy())
         model.kernel_s += time.perf_counter() - t0
-        self.holds = (weakref.ref(cache), end)
+        self.holds, cache.forgot = (weakref.ref(cache), end), math.inf
         s = parse(state_of(L, self.ctx, 0))
         temp = model.seq_id()  # llama.cpp first empties the id it writes to: the base's earlier cells stay
         set_state(L, model.ctx, write(s, temp, trans=False, first=start), temp)
