@@ -427,6 +427,19 @@ def test_a_prompt_after_a_rewound_cache_is_copied_in_again(draft):
     assert all(torch.equal(a, b) for a, b in zip(*steps, strict=True))
 
 
+def test_the_prompt_memory_keeps_no_cell_in_the_shared_memory(draft):
+    """Kept prompts are bytes on the host: once their request ends no sequence holds a cell (every call would visit
+    them); the prompt is copied in for the next request that starts with it."""
+    ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+    prompt = (PROMPT * 12)[:100]
+    cache, _ = filled(ctx, prompt)
+    del cache
+    ctx.release()
+    assert all(ctx.L.llama_memory_seq_pos_max(ctx.mem, s) < 0 for s in range(llama.MAX_SEQ))
+    cache, lent = filled(ctx, prompt)
+    assert lent == 100 and ctx.L.llama_memory_seq_pos_max(ctx.mem, cache.base) == 99
+
+
 def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
     """calls='batched' runs a forward's rows in llama.cpp's own call sizes (one call for a 6-row tree, where the exact
     calls take two); a bad value, or the setting on torch, is refused."""

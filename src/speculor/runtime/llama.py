@@ -37,11 +37,11 @@ Same bits as plain decoding, in two parts:
   the graveyard is then freed at once, and that draft's order (its proposals, never the target's rows) is no
   longer guaranteed.
 
-Prompt memory: the cells of a prompt filled in chunks stay under an id of their own after its request ends (the
-MAX_PROMPTS latest in at most PROMPT_CELLS cells, oldest forgotten first); a later prompt that starts with the same
-chunks (or is the same prompt) takes them by `seq_cp` instead of computing them: the same calls over the same
-tokens and cells would give the same bits. They sit below the new request's rows, so its order holds; a compaction
-writes them back after the live requests' cells, or forgets them when the memory is full.
+Prompt memory: the cells of a prompt filled in chunks are read out of the memory (their bytes, llama.cpp's sequence
+state) when it is filled and kept on the host (the MAX_PROMPTS latest, oldest forgotten first); a later prompt that
+starts with the same chunks (or is the same prompt) has them copied in above every occupied cell instead of
+computing them: the same calls over the same tokens and cells would give the same bits. Kept out of the shared
+memory, they cost no call a visit.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ N_CTX = 16384  # cells of the shared memory: every live request's context (each 
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
 PADDING = MAX_SEQ - 2  # the pad rows' id (positions 0..2, alone); their cells go to the graveyard at once
-MAX_PROMPTS = 16  # prompts kept in the prompt memory (module docstring)
+MAX_PROMPTS = 16  # prompts kept in the prompt memory (module docstring), in PROMPT_CELLS cells at most, oldest out
+PROMPT_CELLS = 4096  # (host memory: 22 KB a cell for the 1.5B target)
 RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
 
 def _silence(level, text, user_data):  # llama.cpp's log: printed by default, every load and every context
@@ -152,7 +153,7 @@ class LlamaModel:
         self.cells = self.size - RESERVE  # what live requests' contexts may hold together (a server admits by it)
         self.used = 0  # cells occupied, from cell 0 up without a hole: live requests' and the graveyard's
         self.caches: weakref.WeakSet[LlamaCache] = weakref.WeakSet()  # the live ones
-        self.prompts: dict[tuple[int, ...], int] = {}  # the prompt memory: (chunk, *tokens) -> the id of its cells
+        self.prompts: dict[tuple[int, ...], fill.State] = {}  # the prompt memory: (chunk, *tokens) -> its cells' bytes
         self.hidden_size = L.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
@@ -187,7 +188,7 @@ class LlamaModel:
             base, extra = self.dead.pop()
             self.drop([base, *extra])
             self.live -= 1
-            if self.live == 0 and not self.prompts:  # (with prompts kept, holes below them: compaction frees)
+            if self.live == 0:
                 self.bury_none()
 
     @property
@@ -230,16 +231,15 @@ class LlamaModel:
         return had
 
     def remember(self, cache: LlamaCache, tokens: list[int], chunk: int) -> None:
-        """Keep the cells of a prompt just filled in chunks of `chunk` from position 0 (`tokens`, all in the cache)."""
+        """Keep the cells of a prompt just filled in chunks of `chunk` from position 0 (`tokens`, all in the cache):
+        their bytes, read out of the shared memory (module docstring)."""
         key = (chunk, *tokens)
-        if key in self.prompts or not 0 < len(tokens) <= room.PROMPT_CELLS or len(self.free_ids) < MAX_SEQ // 2:
-            return  # (ids for requests first)
+        if key in self.prompts or not 0 < len(tokens) <= PROMPT_CELLS or cache.length != len(tokens):
+            return
         while self.prompts and (len(self.prompts) >= MAX_PROMPTS
-                                or self.prompt_cells() + len(tokens) > room.PROMPT_CELLS):
-            self.drop([self.prompts.pop(next(iter(self.prompts)))])
-        s = self.seq_id()
-        self.L.llama_memory_seq_cp(self.mem, cache.base, s, 0, len(tokens))
-        self.prompts[key] = s
+                                or self.prompt_cells() + len(tokens) > PROMPT_CELLS):
+            del self.prompts[next(iter(self.prompts))]
+        self.prompts[key] = fill.parse(fill.state_of(self.L, self.ctx, cache.base))
 
     def reuse(self, cache: LlamaCache, tokens: list[int], chunk: int) -> int:
         """Into an empty cache, the kept cells of the longest start of `tokens` that was filled by the same chunks:
@@ -258,8 +258,8 @@ class LlamaModel:
                 best, src = same // chunk * chunk, key
         if src is not None:
             assert cache.length == 0 and not cache.parents, "a prompt is lent to an empty cache"
-            self.prompts[src] = s = self.prompts.pop(src)  # the latest used, forgotten last
-            self.L.llama_memory_seq_cp(self.mem, s, cache.base, 0, best)
+            self.prompts[src] = state = self.prompts.pop(src)  # the latest used, forgotten last
+            fill.copy_in(self, state, cache.base, 0, best)
             cache.length = best
         return best
 
@@ -269,21 +269,17 @@ class LlamaModel:
     def prompt_cells(self) -> int:
         return sum(len(key) - 1 for key in self.prompts)  # a key is (chunk, *tokens)
 
-    def kept_cells(self) -> int:
-        """Cells a compaction writes back: the live requests' and the prompt memory's."""
-        return self.live_cells() + self.prompt_cells()
-
     def make_room(self, blocks: Sequence[Block]) -> None:
         """Compact the memory (runtime/llama_room.py) when it is due and no request has rows pending (a step's
         boundary); a full one forgets its prompt memory."""
-        why = room.due(self.used, self.kept_cells(), sum(len(b.tokens) for b in blocks), self.size - RESERVE)
+        why = room.due(self.used, self.live_cells(), sum(len(b.tokens) for b in blocks), self.size - RESERVE)
         if why is None:
             return
         for b in blocks:
             if not b.append:
                 b.cache.trim(b.cache.length)
         if not any(c.parents for c in self.caches):
-            room.compact(self, prompts=why == "stale")
+            room.compact(self)
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
         """Per block its `Rows`: logits [n, V] (fp32, host), or [1, V] with `last`; with `hidden` the hidden states

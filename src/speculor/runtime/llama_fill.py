@@ -86,16 +86,17 @@ def parse(buf: np.ndarray) -> State:
     return State(meta["pos"].copy(), keys, values)
 
 
-def write(s: State, seq: int, trans: bool, first: int = 0) -> np.ndarray:
-    """The bytes of a sequence state holding cells first.. of `s` under id `seq`, values in the layout `trans`."""
-    n = len(s.pos) - first
-    meta = np.empty(n, META)
-    meta["pos"], meta["n"], meta["seq"] = s.pos[first:], 1, seq
-    parts = [_bytes("<u4", MAGIC, seq, 1, n), meta.tobytes(), _bytes("<u4", int(trans), len(s.keys))]
+def write(s: State, seq: int, trans: bool, first: int = 0, last: int | None = None) -> np.ndarray:
+    """The bytes of a sequence state holding cells first..last of `s` under id `seq`, values in the layout `trans`."""
+    cells = slice(first, last)
+    pos = s.pos[cells]
+    meta = np.empty(len(pos), META)
+    meta["pos"], meta["n"], meta["seq"] = pos, 1, seq
+    parts = [_bytes("<u4", MAGIC, seq, 1, len(pos)), meta.tobytes(), _bytes("<u4", int(trans), len(s.keys))]
     for kt, row, k in s.keys:
-        parts += [_bytes("<i4", kt), _bytes("<u8", row), k[first:].tobytes()]
+        parts += [_bytes("<i4", kt), _bytes("<u8", row), k[cells].tobytes()]
     for vt, el, v in s.values:
-        v = v[first:]
+        v = v[cells]
         head = _bytes("<u4", el, v.shape[1]) if trans else _bytes("<u8", v.shape[1] * el)
         parts += [_bytes("<i4", vt), head, (v.transpose(1, 0, 2) if trans else v).tobytes()]
     return np.frombuffer(b"".join(parts), np.uint8)
@@ -178,10 +179,15 @@ class Fill:
                                                         shape=(model.hidden_size,)).copy())
         model.kernel_s += time.perf_counter() - t0
         self.holds, cache.forgot = (weakref.ref(cache), end), math.inf
-        s = parse(state_of(L, self.ctx, 0))
-        temp = model.seq_id()  # llama.cpp first empties the id it writes to: the base's earlier cells stay
-        set_state(L, model.ctx, write(s, temp, trans=False, first=start), temp)
-        L.llama_memory_seq_cp(model.mem, temp, cache.base, -1, -1)
-        L.llama_memory_seq_rm(model.mem, temp, -1, -1)
-        model.free_ids.append(temp)
-        model.used += end - start
+        copy_in(model, parse(state_of(L, self.ctx, 0)), cache.base, start, end)
+
+
+def copy_in(model: LlamaModel, s: State, base: int, first: int, last: int) -> None:
+    """Cells first..last of `s` into the shared memory under the id `base`, above every occupied cell (through
+    a spare id: llama.cpp first empties the id it writes to, and the base's earlier cells stay)."""
+    L, temp = model.L, model.seq_id()
+    set_state(L, model.ctx, write(s, temp, trans=False, first=first, last=last), temp)
+    L.llama_memory_seq_cp(model.mem, temp, base, -1, -1)
+    L.llama_memory_seq_rm(model.mem, temp, -1, -1)
+    model.free_ids.append(temp)
+    model.used += last - first
