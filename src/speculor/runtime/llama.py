@@ -234,7 +234,7 @@ class LlamaModel:
         """Keep the cells of a prompt just filled in chunks of `chunk` from position 0 (`tokens`, all in the cache):
         their bytes, read out of the shared memory (module docstring)."""
         key = (chunk, *tokens)
-        if key in self.prompts or not 0 < len(tokens) <= PROMPT_CELLS or cache.length != len(tokens):
+        if key in self.prompts or not 0 < len(tokens) <= PROMPT_CELLS or cache.length != len(tokens) or cache.parents:
             return
         while self.prompts and (len(self.prompts) >= MAX_PROMPTS
                                 or self.prompt_cells() + len(tokens) > PROMPT_CELLS):
@@ -271,9 +271,8 @@ class LlamaModel:
 
     def make_room(self, blocks: Sequence[Block]) -> None:
         """Compact the memory (runtime/llama_room.py) when it is due and no request has rows pending (a step's
-        boundary); a full one forgets its prompt memory."""
-        why = room.due(self.used, self.live_cells(), sum(len(b.tokens) for b in blocks), self.size - RESERVE)
-        if why is None:
+        boundary)."""
+        if room.due(self.used, self.live_cells(), sum(len(b.tokens) for b in blocks), self.size - RESERVE) is None:
             return
         for b in blocks:
             if not b.append:

@@ -151,10 +151,9 @@ class Fill:
         their wanted rows' logits (and hidden states) appended to out (hidden), their cells copied under the
         cache's base id into the shared memory, above every occupied cell."""
         L, start, end = self.L, rows[0][1], rows[-1][1] + 1
-        owner, n = self.holds
+        (owner, n), self.holds = self.holds, (None, 0)  # (held again once every call succeeded)
         if owner is None or owner() is not cache or n != start or cache.forgot < n:  # its first cells, copied in
             L.llama_memory_clear(self.mem, True)
-            self.holds = (None, 0)
             if start:
                 s = parse(state_of(L, model.ctx, cache.base))
                 if not np.array_equal(s.pos, np.arange(start)):
