@@ -1,15 +1,15 @@
 """Prompts filled without flash attention: a `LlamaModel`'s side context (runtime/llama.py's module docstring).
 
 ggml's CPU flash attention computes one row at a time; without it llama.cpp computes attention as matrix products,
-~25% faster over a long prompt (docs/bench/cpu-never-slower). A prompt's rows have calls of their own, so they may
+~10-25% faster over a long prompt (docs/bench/cpu-never-slower). A prompt's rows have calls of their own, so they may
 take other numerics as long as every prompt takes the same ones. A prompt block (a chain of more rows than a tree's
 call holds) is computed in a second context over the same weights, without flash attention, that holds only that
 request's cells: cells 0..n-1 at positions 0..n-1, in the shared memory's order. Its new cells are then copied into
 the shared memory. A row's bits depend on its tokens, the cells before it and its call's rows: its request's own.
 
 Without flash attention llama.cpp keeps the values transposed (a row per dimension, a column per cell), and its
-sequence state refuses a copy between the two layouts, so the copies go through `restate`, which rewrites the
-state's bytes from one layout to the other (both are plain arrays of one element type: F16 values).
+sequence state refuses a copy between the two layouts, so the copies go through `parse` and `write`, which read a
+state's bytes in one layout and write them in the other (both are plain arrays of one element type: F16 values).
 """
 
 from __future__ import annotations
