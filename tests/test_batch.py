@@ -283,18 +283,19 @@ def run_joining(target, makers, prompts, cfgs, chunk: int, join_at: int) -> tupl
     return out, per_step
 
 
-def _recording(forward, chunks: list[int]):
-    """forward that first notes the length of every prompt chunk (a chain block whose every row is scored) it gets
-    (a whole prompt's prefill, `engine.start`, asks for its last row's logits only)."""
+def _recording(forward, chunks: list[tuple[int, bool]]):
+    """forward that first notes (length, last) of every prompt block (a chain block: a whole prompt's prefill in
+    `engine.start`, or a chunk) it gets."""
     def run(blocks, **kw):
-        chunks.extend(len(b.tokens) for b in blocks if b.parents is None and not b.last)
+        chunks.extend((len(b.tokens), b.last) for b in blocks if b.parents is None)
         return forward(blocks, **kw)
     return run
 
 
 def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_one(pair):
     """Greedy and sampled: every request emits what it emits alone; the running request emits tokens at every step
-    while the joiners fill their prompts (2 tokens a step: up to 4 steps for the 9-token prompt)."""
+    while the joiners fill their prompts (2 tokens a step: up to 4 steps for the 9-token prompt), asking for no
+    logits but their last row's (the first step scores the root)."""
     target, draft = pair
     makers = [lambda: ChainDrafter(draft, 2), lambda: None, lambda: TreeDrafter(draft, [-1, -1, 0], "swor")]
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
@@ -302,7 +303,7 @@ def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_o
                  [SamplingConfig(temperature=0.8, seed=s, max_new_tokens=n) for s, n in ((1, 16), (2, 6), (3, 8))]):
         alone = [[t.id for t in engine.stream(target, make(), p, c)] for make, p, c in zip(makers, prompts, cfgs,
                                                                                           strict=True)]
-        chunks: list[int] = []
+        chunks: list[tuple[int, bool]] = []
         target.forward = _recording(target.forward, chunks)
         try:
             got, per_step = run_joining(target, makers, prompts, cfgs, chunk=2, join_at=2)
@@ -310,7 +311,9 @@ def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_o
             del target.forward
         assert got == alone
         assert len(per_step) >= 6 and all(n >= 1 for n in per_step)  # never held up by the joiners' prefill
-        assert sorted(chunks) == [1] + [2] * 6  # 9 - 1 and 6 - 1 prompt tokens, at most 2 a step, in the steps
+        # request 0's prefill, then 9 - 1 and 6 - 1 prompt tokens, at most 2 a step, in the steps
+        assert sorted(n for n, _ in chunks) == sorted([len(prompts[0]) - 1, 1] + [2] * 6)
+        assert all(last for _, last in chunks)
 
 
 def test_prefill_chunks_do_not_depend_on_the_batch(pair):

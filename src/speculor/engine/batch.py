@@ -68,7 +68,10 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
     share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
-    blocks = [Block(a.req.cache, chunks[id(a)], hidden=reads_features(a.req)) for a in filling]
+    # a chunk's logits are never read (the first step scores the root): only its last row's, or every row's
+    # hidden states for a drafter that reads them
+    blocks = [Block(a.req.cache, chunks[id(a)], hidden=reads_features(a.req), last=not reads_features(a.req))
+              for a in filling]
     t1 = time.perf_counter()
     results = target.forward(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
     t2 = time.perf_counter()
