@@ -326,6 +326,9 @@ def test_prefill_chunks_do_not_depend_on_the_batch(pair):
     assert req.unfilled == 4 and req.cache.length == 4 and batched_engine._chunk(req, 4) == PROMPTS[2][4:8]
     batched_engine.step(target, [batched_engine.Active(req, frozenset())], chunk=4)
     assert req.unfilled == 0 and req.cache.length == 8 and req.stats.steps == []
+    lent = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3), prefill=False)
+    lent.unfilled -= 3  # as a prompt memory lends 3 cells: the next chunk ends on the grid
+    assert batched_engine._chunk(lent, 4) == PROMPTS[2][3:4]
     whole = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3))
     assert torch.allclose(req.cache.layers[0].keys[..., :8, :], whole.cache.layers[0].keys[..., :8, :], atol=1e-5)
 

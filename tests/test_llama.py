@@ -296,12 +296,15 @@ def test_a_request_keeps_its_bits_across_a_compaction_of_forgotten_cells(draft):
 
 
 def filled(ctx, tokens, chunk=32):
-    """A cache holding `tokens`, filled in chunks as the server fills a prompt: the prompt memory's cells first."""
+    """A cache holding `tokens`, filled in chunks as the server fills a prompt: the prompt memory's cells first,
+    then calls up to each multiple of `chunk` (engine/batch.py `_chunk`)."""
     cache = ctx.new_cache()
-    lent = ctx.reuse(cache, tokens, chunk)
-    for j in range(lent, len(tokens), chunk):
-        forward1(ctx, cache, tokens[j:j + chunk])
-        cache.keep(list(range(len(tokens[j:j + chunk]))))
+    j = lent = ctx.reuse(cache, tokens, chunk)
+    while j < len(tokens):
+        part = tokens[j:(j // chunk + 1) * chunk]
+        forward1(ctx, cache, part, last=True)
+        cache.keep(list(range(len(part))))
+        j += len(part)
     ctx.remember(cache, tokens, chunk)
     return cache, lent
 
@@ -315,19 +318,31 @@ def steps_after(ctx, cache, root, n=6):
     return out
 
 
-def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft):
-    """The prompt memory lends a later prompt the cells of the whole chunks it shares with a kept one (or all of
-    them for the same prompt); the request's next steps have the bits of a fresh context's."""
+def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monkeypatch):
+    """The prompt memory lends a later prompt the cells of the whole chunks it shares with a kept one, and within
+    the next chunk a multiple of 4 rows that leaves the chunk's rest a call of 8 rows or more (70 shared: 68; 30
+    shared: 24), or all of them for the same prompt; the request's next steps have the bits of a fresh context's.
+    Negative control: 28 of 30 lent, the chunk's last 4 rows are a call of the vector kernels, and the steps differ."""
     first = (PROMPT * 12)[:101]
-    same_start = first[:70] + (PROMPT * 3)[:31]
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
     filled(ctx, first[:-1])
-    for prompt, lends in ((first, 100), (same_start, 64), (list(range(500, 600)), 0)):
+    cases = ((first, 100), (first[:70] + list(range(3000, 3031)), 68), (first[:30] + list(range(3000, 3071)), 24),
+             (list(range(500, 600)), 0))
+    for prompt, lends in cases:
         fresh = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
         cache, lent = filled(ctx, prompt[:-1])
         assert lent == lends
         want = steps_after(fresh, filled(fresh, prompt[:-1])[0], prompt[-1])
         assert all(torch.equal(a, b) for a, b in zip(steps_after(ctx, cache, prompt[-1]), want, strict=True))
+        if lends == 24:
+            uncapped = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+            filled(uncapped, first[:-1])
+            monkeypatch.setattr(llama, "TILED", 4)
+            cache, lent = filled(uncapped, prompt[:-1])
+            monkeypatch.undo()
+            assert lent == 28
+            assert not all(torch.equal(a, b) for a, b in zip(steps_after(uncapped, cache, prompt[-1]), want,
+                                                             strict=True))
 
 
 def without_flash_attention(model, prompt):

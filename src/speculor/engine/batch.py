@@ -100,9 +100,10 @@ def _prompt(req: Request) -> list[int]:
 
 
 def _chunk(req: Request, size: int) -> list[int]:
-    """The next prompt tokens to prefill: from the first one not in the cache, up to `size`, never the root."""
+    """The next prompt tokens to prefill: from the first one not in the cache to the next multiple of `size` (the
+    chunks' grid, from position 0 whatever a prompt memory lent), never the root."""
     done = len(req.seq) - 1 - req.unfilled
-    return req.seq[done:done + min(size, req.unfilled)]
+    return req.seq[done:min((done // size + 1) * size, len(req.seq) - 1)]
 
 
 def generate(target: Backend, entries: Sequence[tuple[Drafter | None, list[int], SamplingConfig]],

@@ -39,9 +39,11 @@ Same bits as plain decoding, in two parts:
 
 Prompt memory: the cells of a prompt filled in chunks are read out of the memory (their bytes, llama.cpp's sequence
 state) when it is filled and kept on the host (the MAX_PROMPTS latest, oldest forgotten first); a later prompt that
-starts with the same chunks (or is the same prompt) has them copied in above every occupied cell instead of
-computing them: the same calls over the same tokens and cells would give the same bits. Kept out of the shared
-memory, they cost no call a visit.
+starts with the same tokens has them copied in above every occupied cell instead of computing them, as many as give
+the bits it would compute (`lendable`): its whole chunks, and within the next one a multiple of 4 rows that leaves
+it a call of at least TILED rows (a prompt row's bits depend on its call through the 4-row blocks of the repacked
+kernels and whether the call takes ggml's tiled matmul, which needs TILED rows; docs/algorithms.md §10.5.2), or
+all of them for the same prompt. Kept out of the shared memory, they cost no call a visit.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from speculor.runtime.backend import Block, Rows, fit_vocab
 from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
+TILED = 8  # the fewest rows for which ggml takes its tiled matmul (tiled.cpp) over the weights it does not repack
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
@@ -242,8 +245,8 @@ class LlamaModel:
         self.prompts[key] = fill.parse(fill.state_of(self.L, self.ctx, cache.base))
 
     def reuse(self, cache: LlamaCache, tokens: list[int], chunk: int) -> int:
-        """Into an empty cache, the kept cells of the longest start of `tokens` that was filled by the same chunks:
-        whole chunks of a kept prompt, or all of it if it is `tokens`; how many positions it now holds."""
+        """Into an empty cache, the kept cells of the longest start of `tokens` that a prompt filled in the same
+        chunks may lend it (`lendable`), or all of them if it is `tokens`; how many positions it now holds."""
         best, src = 0, None
         for key in self.prompts:
             kept = key[1:]
@@ -254,8 +257,8 @@ class LlamaModel:
                 break
             same = next((i for i, (a, b) in enumerate(zip(kept, tokens, strict=False)) if a != b),
                         min(len(kept), len(tokens)))
-            if same // chunk * chunk > best:
-                best, src = same // chunk * chunk, key
+            if lendable(same, len(kept), len(tokens), chunk) > best:
+                best, src = lendable(same, len(kept), len(tokens), chunk), key
         if src is not None:
             assert cache.length == 0 and not cache.parents, "a prompt is lent to an empty cache"
             self.prompts[src] = state = self.prompts.pop(src)  # the latest used, forgotten last
@@ -378,6 +381,16 @@ class LlamaModel:
                         hidden[i].append(np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, k),
                                                                shape=(self.hidden_size,)).copy())
                 k += 1
+
+
+def lendable(same: int, kept: int, wanted: int, chunk: int) -> int:
+    """How many of the `same` first tokens a prompt of `wanted` shares with a kept prompt of `kept`, both filled in
+    calls on the grid of `chunk`, it may take the cells of (module docstring): the whole chunks, and where both
+    computed the next chunk whole, the multiple of 4 rows that leaves its rest a call of TILED rows or more."""
+    g = same // chunk * chunk
+    if min(kept, wanted) < g + chunk:
+        return g
+    return g + min(same - g, chunk - TILED) // padded.PAD * padded.PAD
 
 
 def rows_of(rows: list[np.ndarray]) -> np.ndarray:
