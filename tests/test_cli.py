@@ -148,7 +148,7 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
     assert cli.main(["serve", "--strategy", "topk-tree", "--k", "3", "--budget", "12", "--port", "1"]) == 0
     assert cli.main(["serve", "--depth", "4", "--max-batch", "16"]) == 0  # the default: dyspec, budget auto
     assert served == [(pair, {"host": "127.0.0.1", "port": 1, "strategy": "topk-tree", "queue_size": 64,
-                                "max_batch": 8, "k": 3, "budget": 12}),
+                                "max_batch": 16, "k": 3, "budget": 12}),
                       (pair, {"host": "127.0.0.1", "port": 8000, "strategy": "dyspec", "queue_size": 64,
                                 "max_batch": 16, "budget": "auto", "depth": 4})]
 

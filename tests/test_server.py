@@ -508,6 +508,22 @@ def test_concurrent_requests_share_one_batch(pair: Pair) -> None:
     assert steps[("speculor_rows_per_step_count", ())] == count
 
 
+def test_waiting_jobs_join_the_batch_together(pair: Pair) -> None:
+    """At a step's boundary the scheduler admits every waiting job that has room, not one a step: three requests
+    queued behind the first one's step join the next step together, so no step decodes two requests (one by one,
+    the batch would grow 1, 2, 3, 4 and shrink 3, 2, 1)."""
+    with live_server(create_app(pair, strategy="plain", max_batch=4)) as base, \
+            httpx.Client(base_url=base, timeout=60) as http:
+        def post(i: int) -> None:
+            http.post("/v1/completions", json={"prompt": TEXTS[0], "max_tokens": 8, "temperature": 0})
+
+        post_together(pair, http, post, 4, timeout=60)
+        steps = metrics(http)
+    upto = {le: steps[("speculor_batch_size_bucket", (("le", f"{le}.0"),))] for le in (1, 2, 4)}
+    assert upto[4] > upto[2] and upto[1] > 0  # steps of three or four, and the first request's own
+    assert upto[2] == upto[1]  # none of two
+
+
 def test_jobs_wait_for_room_in_a_shared_memory(pair: Pair, monkeypatch) -> None:
     """On a target whose requests share one memory of `cells` (llama.cpp's), a job joins the batch only when its
     prompt and longest answer fit beside the running jobs': with room for two, no step runs three, and every answer

@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--queue-size", type=int, default=64)
-    s.add_argument("--max-batch", type=int, default=8, help="most requests decoded together (continuous batching)")
+    s.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (continuous batching)")
     _add_strategy_args(s, default=None)
     _add_model_args(s)
     _add_ray_args(s)

@@ -64,7 +64,7 @@ from speculor.runtime.loading import Pair
 from speculor.serving.errors import APIError, bad_request, install_error_handlers
 from speculor.serving.formats import EventStream, Format, collect, sse_stream
 from speculor.serving.metrics import Metrics, MetricsMiddleware
-from speculor.serving.scheduler import Job, Scheduler
+from speculor.serving.scheduler import MAX_BATCH, Job, Scheduler
 from speculor.serving.schemas import (
     UNSUPPORTED,
     ChatMessage,
@@ -273,7 +273,7 @@ def _finite(x: float) -> float | None:
 DEFAULT_STRATEGY = ("dyspec", {"budget": "auto"})  # batch-aware: sized from the cost curve for the running batch
 
 
-def make_server(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = 8,
+def make_server(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = MAX_BATCH,
                 metrics: Metrics | None = None, **options: Any) -> _Server:
     """The engine side of a server: `pair` with a default `strategy` and its `options` (e.g. k=4), its scheduler
     and metrics; no strategy: DySpec with the batch-aware auto budget (DEFAULT_STRATEGY), or chain for a draft with
@@ -306,7 +306,7 @@ def build_app(service: Service, metrics: Metrics, on_shutdown: Callable[[], None
     return app
 
 
-def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = 8,
+def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = MAX_BATCH,
                **options: Any) -> FastAPI:
     """A FastAPI app serving `pair` in this process (see `make_server` for the strategy).
 
@@ -319,7 +319,7 @@ def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, ma
 
 
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str | None = None, queue_size: int = 64,
-          max_batch: int = 8, **options: Any) -> None:
+          max_batch: int = MAX_BATCH, **options: Any) -> None:
     """Serve `pair` over HTTP until interrupted (see `create_app`)."""
     import uvicorn
 

@@ -35,7 +35,7 @@ class RaySettings(BaseModel):
     strategy: str | None = None  # None: the server's default (app.DEFAULT_STRATEGY)
     options: dict[str, Any] = {}
     queue_size: int = Field(64, ge=1)
-    max_batch: int = Field(8, ge=1, le=256)
+    max_batch: int = Field(16, ge=1, le=256)
     max_queued_requests: int = Field(-1, ge=-1)  # waiting at an ingress for a replica; -1: no bound (Ray's default)
     # Ray Serve
     replicas: int = Field(1, ge=1)

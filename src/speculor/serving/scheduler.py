@@ -2,10 +2,11 @@
 step (engine/batch.py) and lets jobs join and leave it between steps (iteration-level scheduling).
 
 Contract: `Scheduler.submit` queues a job or raises APIError 429 when `queue_size` jobs already wait. The worker
-(started by the first submit, ended by `stop`) loops: admit the oldest waiting job if fewer than `max_batch` run
-and, on a backend whose requests share one memory (llama.cpp's), its prompt and longest answer fit there beside the
-running jobs' (one job per step; its prompt is then prefilled inside the batched steps, a chunk of engine/batch.py's
-PREFILL_CHUNK tokens a step, so a joining request slows the running ones by a chunk's rows instead of stopping them),
+(started by the first submit, ended by `stop`) loops: admit the waiting jobs, oldest first, while fewer than
+`max_batch` run and, on a backend whose requests share one memory (llama.cpp's), the next one's prompt and longest
+answer fit there beside the running jobs' (their prompts are then prefilled inside the batched steps, a chunk of
+engine/batch.py's PREFILL_CHUNK tokens a step each, so joining requests slow the running ones by their chunks' rows
+instead of stopping them),
 run one batched step over the running jobs, hand each job its new text (`Delta`), and end the jobs that are done
 (EOS, length, a stop string: `Done`) or whose client left (`cancel`, checked before admission and after every
 step: `Done("cancelled")`). Each job keeps its own strategy, options, sampling settings and seed; its output is
@@ -38,6 +39,7 @@ from speculor.serving.errors import APIError, bad_request
 from speculor.serving.metrics import Metrics
 
 logger = logging.getLogger("speculor.serving.app")  # the server's one log channel
+MAX_BATCH = 16  # requests decoded together by default (llama-server's users start 16 slots: `-np 16`)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class _Running:
 class Scheduler:
     """A bounded FIFO of jobs and the one worker thread that runs up to `max_batch` of them together on `sp`."""
 
-    def __init__(self, sp: Speculor, queue_size: int, metrics: Metrics, max_batch: int = 8) -> None:
+    def __init__(self, sp: Speculor, queue_size: int, metrics: Metrics, max_batch: int = MAX_BATCH) -> None:
         if not isinstance(queue_size, int) or queue_size < 1:
             raise SpeculorError(f"queue_size must be a positive integer, got {queue_size!r}")
         check_int("max_batch", max_batch, 1, 256)
@@ -188,9 +190,10 @@ class Scheduler:
     def _work(self) -> None:
         while not (self._stopping and not self.running):
             job = self._next_job()
-            if job is not None:
+            while job is not None:  # every waiting job that has room, before the next step
                 with self._models:
                     self._admit(job)
+                job = self._next_job() if self.running else None
             if self.running:
                 with self._models:
                     self._step()
