@@ -329,6 +329,11 @@ def test_prefill_chunks_do_not_depend_on_the_batch(pair):
     lent = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3), prefill=False)
     lent.unfilled -= 3  # as a prompt memory lends 3 cells: the next chunk ends on the grid
     assert batched_engine._chunk(lent, 4) == PROMPTS[2][3:4]
+    long = engine.start(target, None, list(range(1, 22)), SamplingConfig(max_new_tokens=3), prefill=False)
+    assert batched_engine._chunk(long, 8, 8) == list(range(1, 9))  # 12 left after it: a chunk on the grid
+    long.unfilled -= 8
+    assert batched_engine._chunk(long, 8, 8) == list(range(9, 21))  # 4 left after 8 more: it takes them (least 8)
+    assert batched_engine._chunk(long, 8) == list(range(9, 17))
     whole = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3))
     assert torch.allclose(req.cache.layers[0].keys[..., :8, :], whole.cache.layers[0].keys[..., :8, :], atol=1e-5)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.llama_rows import PARENTS, PATHS, PREFIX, PROMPT, TREE, alone, prefilled
 
-from speculor import SamplingConfig, Speculor
+from speculor import SamplingConfig, Speculor, engine
 from speculor.engine import batch as batched_engine
 from speculor.errors import SpeculorError
 from speculor.runtime import llama, llama_fill
@@ -301,7 +301,8 @@ def filled(ctx, tokens, chunk=32):
     cache = ctx.new_cache()
     j = lent = ctx.reuse(cache, tokens, chunk)
     while j < len(tokens):
-        part = tokens[j:(j // chunk + 1) * chunk]
+        grid = (j // chunk + 1) * chunk
+        part = tokens[j:grid if len(tokens) - grid >= ctx.min_chunk else len(tokens)]
         forward1(ctx, cache, part, last=True)
         cache.keep(list(range(len(part))))
         j += len(part)
@@ -337,12 +338,33 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monk
         if lends == 24:
             uncapped = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
             filled(uncapped, first[:-1])
-            monkeypatch.setattr(llama, "TILED", 4)
+            monkeypatch.setattr(llama_fill, "TILED", 4)
             cache, lent = filled(uncapped, prompt[:-1])
             monkeypatch.undo()
             assert lent == 28
             assert not all(torch.equal(a, b) for a, b in zip(steps_after(uncapped, cache, prompt[-1]), want,
                                                              strict=True))
+
+
+@pytest.mark.parametrize("n", [101, 104, 133])
+def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monkeypatch, n):
+    """The server's chunks (engine/batch.py, 32 rows on a grid) and the library's prefill (one block, calls of 512)
+    give a prompt the same cells, also where its last chunk would be short (100, 103, 132 cells: 4, 7, 4 rows
+    left): the request's next steps are bit-equal. Negative control: a short last chunk (min_chunk 1) differs."""
+    prompt, cfg = (PROMPT * 12)[:n], SamplingConfig(max_new_tokens=4)
+    ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+
+    def chunked():
+        a = batched_engine.Active(engine.start(ctx, None, prompt, cfg, prefill=False), frozenset())
+        while a.req.unfilled:
+            batched_engine.step(ctx, [a])
+        ctx.prompts.clear()
+        return steps_after(ctx, a.req.cache, prompt[-1])
+
+    want = steps_after(ctx, engine.start(ctx, None, prompt, cfg).cache, prompt[-1])
+    assert all(torch.equal(a, b) for a, b in zip(chunked(), want, strict=True))
+    monkeypatch.setattr(ctx, "min_chunk", 1)
+    assert not all(torch.equal(a, b) for a, b in zip(chunked(), want, strict=True))
 
 
 def without_flash_attention(model, prompt):

@@ -1,5 +1,6 @@
 """llama.cpp's sequence state rewritten between the two layouts of values (runtime/llama_fill.py), against the byte
-layout llama-kv-cache.cpp's state_write_data writes; the prompts' context on the real GGUF is in tests/test_llama.py."""
+layout llama-kv-cache.cpp's state_write_data writes, and a prompt block's calls (`parts`); the prompts' context on the
+real GGUF is in tests/test_llama.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from speculor.errors import SpeculorError
-from speculor.runtime.llama_fill import MAGIC, State, parse, write
+from speculor.runtime.llama_fill import MAGIC, TILED, State, parse, parts, write
 
 
 def u4(*x):
@@ -56,3 +57,14 @@ def test_values_of_a_block_type_are_refused():
     with pytest.raises(SpeculorError, match="transposed"):
         parse(np.frombuffer(bytes(s), np.uint8))
     assert isinstance(parse(np.frombuffer(llama_state(False), np.uint8)), State)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 32, 100, 511, 512, 513, 519, 520, 1024, 1027, 1100])
+def test_a_prompt_blocks_calls_start_at_multiples_of_4_and_the_last_has_8_rows(n):
+    """Calls of at most 512 rows covering 0..n in order, each starting at a multiple of 4, the last of TILED rows or
+    more whenever there are two (513 rows: 504 + 9, not 512 + 1); one call alone may be shorter."""
+    calls = parts(n, 512)
+    assert [i for r in calls for i in r] == list(range(n))
+    assert all(r.start % 4 == 0 and 0 < len(r) <= 512 for r in calls)
+    assert len(calls) == 1 or len(calls[-1]) >= TILED
+    assert len(calls) == -(-n // 512)

@@ -63,7 +63,7 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
         if memory and a.req.unfilled and a.req.cache.length == 0 and not reads_features(a.req):
             a.req.unfilled -= memory.reuse(a.req.cache, _prompt(a.req), chunk)
     filling = [a for a in batch if a.req.unfilled]
-    chunks = {id(a): _chunk(a.req, chunk) for a in filling}
+    chunks = {id(a): _chunk(a.req, chunk, target.min_chunk) for a in filling}
     decoding = [a for a in batch if not a.req.unfilled]
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
@@ -99,11 +99,13 @@ def _prompt(req: Request) -> list[int]:
     return req.seq[:-1]
 
 
-def _chunk(req: Request, size: int) -> list[int]:
+def _chunk(req: Request, size: int, least: int = 1) -> list[int]:
     """The next prompt tokens to prefill: from the first one not in the cache to the next multiple of `size` (the
-    chunks' grid, from position 0 whatever a prompt memory lent), never the root."""
-    done = len(req.seq) - 1 - req.unfilled
-    return req.seq[done:min((done // size + 1) * size, len(req.seq) - 1)]
+    chunks' grid, from position 0 whatever a prompt memory lent), or to the root when fewer than `least` would be
+    left after it (the backend's `min_chunk`); never the root."""
+    done, end = len(req.seq) - 1 - req.unfilled, len(req.seq) - 1
+    grid = (done // size + 1) * size
+    return req.seq[done:grid if end - grid >= least else end]
 
 
 def generate(target: Backend, entries: Sequence[tuple[Drafter | None, list[int], SamplingConfig]],

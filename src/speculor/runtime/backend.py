@@ -8,7 +8,8 @@ Everything above `runtime/` (drafters, engine, serving, bench) talks to a model 
     requests may hold together, None: no shared limit)
     backend.device, backend.hidden_size, backend.embedding() (what a head over its features reads)
     backend.cost_key, backend.weights (what its measured cost curve depends on), backend.cheap_rows (whether a few
-    more rows in a forward cost little: strategies' default budgets)
+    more rows in a forward cost little: strategies' default budgets), backend.min_chunk (the fewest rows a prompt
+    filled in chunks may end with)
 
 A `Block` is one request's new rows against that request's cache: tokens with parents inside the block (-1 =
 attends only to the cache), a chain for a prompt, [root] + nodes for a draft tree. One call may carry many
@@ -101,6 +102,8 @@ class Backend(Protocol):
     cheap_rows: bool  # whether a few more rows in a forward cost little beside the forward (torch: t(n) nearly flat
     # for the rows a draft adds); False: t(n) grows with n (llama.cpp's CPU kernels), so a budget is sized by t(n)
     kernel_s: float | None  # seconds spent in its own kernels so far (llama.cpp's llama_decode), None: not counted
+    min_chunk: int  # the fewest rows a prompt filled in chunks may end with (a shorter rest joins the chunk before):
+    # llama.cpp's 8, which its prompt calls take in one piece (runtime/llama_fill.py `parts`); torch's 1
 
     @property
     def hidden_size(self) -> int:

@@ -41,8 +41,8 @@ Prompt memory: the cells of a prompt filled in chunks are read out of the memory
 state) when it is filled and kept on the host (the MAX_PROMPTS latest, oldest forgotten first); a later prompt that
 starts with the same tokens has them copied in above every occupied cell instead of computing them, as many as give
 the bits it would compute (`lendable`): its whole chunks, and within the next one a multiple of 4 rows that leaves
-it a call of at least TILED rows (a prompt row's bits depend on its call through the 4-row blocks of the repacked
-kernels and whether the call takes ggml's tiled matmul, which needs TILED rows; docs/algorithms.md §10.5.2), or
+it a call of at least fill.TILED rows (a prompt row's bits depend on its call through the 4-row blocks of the repacked
+kernels and whether the call takes ggml's tiled matmul, which needs fill.TILED rows; docs/algorithms.md §10.5.2), or
 all of them for the same prompt. Kept out of the shared memory, they cost no call a visit.
 """
 
@@ -67,7 +67,6 @@ from speculor.runtime.backend import Block, Rows, fit_vocab
 from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
-TILED = 8  # the fewest rows for which ggml takes its tiled matmul (tiled.cpp) over the weights it does not repack
 EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: 150 MB at 256)
@@ -161,7 +160,7 @@ class LlamaModel:
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
-        self.cheap_rows = False  # t(n) grows with n on these CPU kernels (t(2) = 1.6 t(1))
+        self.cheap_rows, self.min_chunk = False, fill.TILED  # t(n) grows with n here (t(2) = 1.6 t(1)); `fill.parts`
         self.free_ids = list(range(PADDING - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
         self.dead: list[tuple[int, list[int]]] = []  # (base, extra ids) of caches collected since
@@ -301,7 +300,7 @@ class LlamaModel:
                 if self._fills(b, rows):  # in the prompts' context (runtime/llama_fill.py)
                     side.append((i, rows, want))
                     continue
-                calls += [[(i, rows[j:j + chunk], want[j:j + chunk])] for j in range(0, len(rows), chunk)]
+                calls += [[(i, rows[r.start:r.stop], want[r.start:r.stop])] for r in fill.parts(len(rows), chunk)]
                 calls.append([])
                 continue
             for j in range(0, len(rows), limit):  # a tree: `limit` rows a call at most, ancestors first
@@ -386,11 +385,11 @@ class LlamaModel:
 def lendable(same: int, kept: int, wanted: int, chunk: int) -> int:
     """How many of the `same` first tokens a prompt of `wanted` shares with a kept prompt of `kept`, both filled in
     calls on the grid of `chunk`, it may take the cells of (module docstring): the whole chunks, and where both
-    computed the next chunk whole, the multiple of 4 rows that leaves its rest a call of TILED rows or more."""
+    computed the next chunk whole, the multiple of 4 rows that leaves its rest a call of fill.TILED rows or more."""
     g = same // chunk * chunk
     if min(kept, wanted) < g + chunk:
         return g
-    return g + min(same - g, chunk - TILED) // padded.PAD * padded.PAD
+    return g + min(same - g, chunk - fill.TILED) // padded.PAD * padded.PAD
 
 
 def rows_of(rows: list[np.ndarray]) -> np.ndarray:

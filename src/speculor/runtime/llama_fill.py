@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from speculor.runtime.llama import LlamaModel
     from speculor.runtime.llama_cache import LlamaCache
 
+TILED = 8  # the fewest rows for which ggml takes its tiled matmul (tiled.cpp) over the weights it does not repack
 CELLS = 8192  # the side context's cells at most (a shared memory's if fewer): a prompt block ending past them is
 # filled in the shared memory instead
 MAGIC = 0xAF143CD8  # a sequence state's first 4 bytes (llama-context.cpp, io_magic)
@@ -163,8 +164,7 @@ class Fill:
             L.llama_set_embeddings(self.ctx, embeddings)
             self.embeddings = embeddings
         b, t0 = self.batch, time.perf_counter()
-        for j in range(0, len(rows), self.n_batch):
-            part = range(j, min(j + self.n_batch, len(rows)))
+        for part in parts(len(rows), self.n_batch):
             for k, i in enumerate(part):
                 b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = rows[i][0], rows[i][1], 1, want[i]
                 b.seq_id[k][0] = 0
@@ -179,6 +179,17 @@ class Fill:
         model.kernel_s += time.perf_counter() - t0
         self.holds, cache.forgot = (weakref.ref(cache), end), math.inf
         copy_in(model, parse(state_of(L, self.ctx, 0)), cache.base, start, end)
+
+
+def parts(n: int, size: int) -> list[range]:
+    """A prompt block's n rows as calls of `size` rows (a multiple of 4), the last one of TILED rows or more where n
+    allows (its start moved back by 4s): a row's bits depend on its call only through the 4-row blocks the repacked
+    kernels take from the call's first row and whether the call has TILED rows (docs/algorithms.md §10.5.2), so
+    every split of this kind, the server's 32-row chunks included, gives a prompt the same cells."""
+    cuts = list(range(0, n, size))
+    if len(cuts) > 1 and n - cuts[-1] < TILED:
+        cuts[-1] -= math.ceil((TILED - (n - cuts[-1])) / 4) * 4
+    return [range(a, b) for a, b in zip(cuts, cuts[1:] + [n], strict=True)]
 
 
 def copy_in(model: LlamaModel, s: State, base: int, first: int, last: int) -> None:
