@@ -52,7 +52,7 @@ class Model:
         self.cells = None  # every request's cache is its own
         self.cheap_rows = True  # the rows a draft adds cost little beside the forward (fp32 on a CPU, a GPU)
         self.kernel_s = None  # not counted
-        self.min_chunk = 1  # a prompt's rows get the same bits in any chunks
+        self.min_chunk = 1  # no floor on a prompt's last chunk (engine/batch.py `_chunk`)
 
     @property
     def hidden_size(self) -> int:
