@@ -20,22 +20,6 @@ configs = {"ours FA Q8_0/F16 16384 cells 64 seqs": (1, "Q8_0", "F16", 16384, 64)
            "FA Q8_0/F16 small": (1, "Q8_0", "F16", N + 200, 1)}
 ctxs = {k: make(*v) for k, v in configs.items()}
 b = L.llama_batch_init(512, 0, 1)
-def go(ctx):
-    L.llama_memory_clear(L.llama_get_memory(ctx), True)
-    for i in range(0, N, 512):
-        n = min(512, N - i)
-        for j in range(n):
-            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = (13 * (i + j)) % 30000, i + j, 1, i + j == N - 1
-            b.seq_id[j][0] = 0
-        b.n_tokens = n
-        assert L.llama_decode(ctx, b) == 0
-    ts = []
-    for s in range(S):
-        b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = (7 * s) % 30000, N + s, 1, True
-        b.seq_id[0][0] = 0; b.n_tokens = 1
-        t0 = time.perf_counter(); assert L.llama_decode(ctx, b) == 0
-        L.llama_get_logits_ith(ctx, 0); ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1000
 def prefill(ctx):
     L.llama_memory_clear(L.llama_get_memory(ctx), True)
     for i in range(0, N, 512):

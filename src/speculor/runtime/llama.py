@@ -256,8 +256,8 @@ class LlamaModel:
                 break
             same = next((i for i, (a, b) in enumerate(zip(kept, tokens, strict=False)) if a != b),
                         min(len(kept), len(tokens)))
-            if lendable(same, len(kept), len(tokens), chunk) > best:
-                best, src = lendable(same, len(kept), len(tokens), chunk), key
+            if (lent := lendable(same, len(kept), len(tokens), chunk)) > best:
+                best, src = lent, key
         if src is not None:
             assert cache.length == 0 and not cache.parents, "a prompt is lent to an empty cache"
             self.prompts[src] = state = self.prompts.pop(src)  # the latest used, forgotten last

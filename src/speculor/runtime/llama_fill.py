@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from speculor.errors import SpeculorError
+from speculor.runtime import llama_padded as padded
 
 if TYPE_CHECKING:
     from speculor.runtime.llama import LlamaModel
@@ -188,7 +189,7 @@ def parts(n: int, size: int) -> list[range]:
     every split of this kind, the server's 32-row chunks included, gives a prompt the same cells."""
     cuts = list(range(0, n, size))
     if len(cuts) > 1 and n - cuts[-1] < TILED:
-        cuts[-1] -= math.ceil((TILED - (n - cuts[-1])) / 4) * 4
+        cuts[-1] -= math.ceil((TILED - (n - cuts[-1])) / padded.PAD) * padded.PAD
     return [range(a, b) for a, b in zip(cuts, cuts[1:] + [n], strict=True)]
 
 
