@@ -338,6 +338,39 @@ def test_prefill_chunks_do_not_depend_on_the_batch(pair):
     assert torch.allclose(req.cache.layers[0].keys[..., :8, :], whole.cache.layers[0].keys[..., :8, :], atol=1e-5)
 
 
+def test_prompts_take_more_chunks_a_step_while_none_decodes(pair, monkeypatch):
+    """With a backend's fill_rows, a step in which no request decodes fills every filler's prompt in whole chunks,
+    an equal share of fill_rows each; a step beside a decoding request one chunk; the calls on the grid and every
+    request's tokens its own alone. Without fill_rows (torch's 0), one chunk a step."""
+    target, _ = pair
+    cfg = SamplingConfig(max_new_tokens=4)
+    prompts = [list(range(1, 42)), list(range(50, 60))]  # 40 and 9 prompt rows before the roots
+    alone = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts]
+    req = engine.start(target, None, prompts[0], cfg, prefill=False)
+    assert batched_engine._chunk(req, 4, 1, 12) == prompts[0][:12]
+    req.unfilled -= 3  # as a prompt memory lends 3 cells: the span ends on the grid
+    assert batched_engine._chunk(req, 4, 1, 12) == prompts[0][3:12]
+    req.unfilled -= 21
+    assert batched_engine._chunk(req, 4, 8, 16) == prompts[0][24:40]  # 4 left after 12: the rest joins the chunk
+    # 16 rows: 8 each, then the short prompt decodes (4 a step for the long one), then the long one alone takes 16
+    for fill_rows, calls in ((16, [8, 8, 8, 1, 4, 4, 4, 4, 8]), (0, [4, 4, 4, 4, 4, 1] + [4] * 7)):
+        monkeypatch.setattr(target, "fill_rows", fill_rows, raising=False)
+        chunks: list[tuple[int, bool]] = []
+        target.forward = _recording(target.forward, chunks)
+        try:
+            batch = [batched_engine.Active(engine.start(target, None, p, cfg, prefill=False), frozenset())
+                     for p in prompts]
+            out: list[list[int]] = [[], []]
+            while not all(a.done for a in batch):
+                active = [a for a in batch if not a.done]
+                for a, toks in zip(active, batched_engine.step(target, active, chunk=4), strict=True):
+                    out[batch.index(a)].extend(t.id for t in toks)
+        finally:
+            del target.forward
+        assert out == alone
+        assert [n for n, _ in chunks] == calls
+
+
 def test_batch_aware_drafters_do_not_draft_while_a_prompt_is_filled_beside_them(pair):
     """A prompt chunk in the step: batch-aware DySpec decodes plainly (its neighbour's fill is not held up by draft
     rounds); the step after the fill it drafts again, and its tokens are its own throughout."""

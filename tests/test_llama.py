@@ -348,23 +348,38 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monk
 
 @pytest.mark.parametrize("n", [101, 104, 133])
 def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monkeypatch, n):
-    """The server's chunks (engine/batch.py, 32 rows on a grid) and the library's prefill (one block, calls of 512)
-    give a prompt the same cells, also where its last chunk would be short (100, 103, 132 cells: 4, 7, 4 rows
-    left): the request's next steps are bit-equal. Negative control: a short last chunk (min_chunk 1) differs."""
+    """The server's chunks (engine/batch.py: 32 rows on a grid a step, or while none decodes up to fill_rows) and
+    the library's prefill (one block, calls of 512) give a prompt the same cells, also where its last chunk would
+    be short (100, 103, 132 cells: 4, 7, 4 rows left) and after a prompt memory lent its start (24 cells, the rest
+    in one call): the request's next steps are bit-equal. Negative control: a short last chunk (min_chunk 1)
+    differs."""
     prompt, cfg = (PROMPT * 12)[:n], SamplingConfig(max_new_tokens=4)
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
 
-    def chunked():
-        a = batched_engine.Active(engine.start(ctx, None, prompt, cfg, prefill=False), frozenset())
+    def chunked(p):
+        a = batched_engine.Active(engine.start(ctx, None, p, cfg, prefill=False), frozenset())
         while a.req.unfilled:
             batched_engine.step(ctx, [a])
-        ctx.prompts.clear()
-        return steps_after(ctx, a.req.cache, prompt[-1])
+        return steps_after(ctx, a.req.cache, p[-1])
+
+    def equal(got, want):
+        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
     want = steps_after(ctx, engine.start(ctx, None, prompt, cfg).cache, prompt[-1])
-    assert all(torch.equal(a, b) for a, b in zip(chunked(), want, strict=True))
+    for rows in (llama.N_BATCH, 0):  # the whole prompt in one step, or a chunk a step
+        monkeypatch.setattr(ctx, "fill_rows", rows)
+        ctx.prompts.clear()
+        assert equal(chunked(prompt), want)
+    other = prompt[:30] + list(range(3000, 3000 + n - 30))  # its first 24 cells lent by the prompt memory
+    lent, reuse = [], ctx.reuse
+    monkeypatch.setattr(ctx, "reuse", lambda *a: lent.append(reuse(*a)) or lent[-1])
+    monkeypatch.setattr(ctx, "fill_rows", llama.N_BATCH)
+    assert equal(chunked(other), steps_after(ctx, engine.start(ctx, None, other, cfg).cache, other[-1]))
+    assert lent == [24]
+    monkeypatch.setattr(ctx, "fill_rows", 0)
     monkeypatch.setattr(ctx, "min_chunk", 1)
-    assert not all(torch.equal(a, b) for a, b in zip(chunked(), want, strict=True))
+    ctx.prompts.clear()
+    assert not equal(chunked(prompt), want)
 
 
 def without_flash_attention(model, prompt):

@@ -55,7 +55,8 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
 
     A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
     to the same forward instead of a tree and emits nothing this step: a joining request slows the running ones by
-    a chunk's rows a step instead of stopping them for its whole prefill. The chunks fall at the same places
+    a chunk's rows a step instead of stopping them for its whole prefill (while none decodes, more chunks a step:
+    the backend's `fill_rows`). The chunks fall at the same places
     whatever else is in the batch. A backend with a prompt memory (runtime/backend.py `PromptMemory`) lends a new
     prompt the cells of the chunks it starts with, and keeps each prompt's once filled."""
     memory = target if isinstance(target, PromptMemory) else None
@@ -63,8 +64,11 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
         if memory and a.req.unfilled and a.req.cache.length == 0 and not reads_features(a.req):
             a.req.unfilled -= memory.reuse(a.req.cache, _prompt(a.req), chunk)
     filling = [a for a in batch if a.req.unfilled]
-    chunks = {id(a): _chunk(a.req, chunk, target.min_chunk) for a in filling}
     decoding = [a for a in batch if not a.req.unfilled]
+    # while none decodes, the backend's fill_rows shared among the fillers, in whole chunks (a prompt's last chunk
+    # then needs no step of its own); the calls still fall on the grid
+    span = chunk if decoding else max(chunk, target.fill_rows // max(len(filling), 1) // chunk * chunk)
+    chunks = {id(a): _chunk(a.req, chunk, target.min_chunk, span) for a in filling}
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
     share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
@@ -99,12 +103,13 @@ def _prompt(req: Request) -> list[int]:
     return req.seq[:-1]
 
 
-def _chunk(req: Request, size: int, least: int = 1) -> list[int]:
+def _chunk(req: Request, size: int, least: int = 1, span: int = 0) -> list[int]:
     """The next prompt tokens to prefill: from the first one not in the cache to the next multiple of `size` (the
-    chunks' grid, from position 0 whatever a prompt memory lent), or to the root when fewer than `least` would be
-    left after it (the backend's `min_chunk`); never the root."""
+    chunks' grid, from position 0 whatever a prompt memory lent), `span // size - 1` grid points further if `span`
+    allows, or to the root when fewer than `least` would be left after it (the backend's `min_chunk`); never the
+    root."""
     done, end = len(req.seq) - 1 - req.unfilled, len(req.seq) - 1
-    grid = (done // size + 1) * size
+    grid = (done // size + max(span // size, 1)) * size
     return req.seq[done:grid if end - grid >= least else end]
 
 

@@ -9,7 +9,7 @@ Everything above `runtime/` (drafters, engine, serving, bench) talks to a model 
     backend.device, backend.hidden_size, backend.embedding() (what a head over its features reads)
     backend.cost_key, backend.weights (what its measured cost curve depends on), backend.cheap_rows (whether a few
     more rows in a forward cost little: strategies' default budgets), backend.min_chunk (the fewest rows a prompt
-    filled in chunks may end with)
+    filled in chunks may end with), backend.fill_rows (the prompt rows a step may fill while none decodes)
 
 A `Block` is one request's new rows against that request's cache: tokens with parents inside the block (-1 =
 attends only to the cache), a chain for a prompt, [root] + nodes for a draft tree. One call may carry many
@@ -104,6 +104,9 @@ class Backend(Protocol):
     kernel_s: float | None  # seconds spent in its own kernels so far (llama.cpp's llama_decode), None: not counted
     min_chunk: int  # the fewest rows a prompt filled in chunks may end with (a shorter rest joins the chunk before):
     # llama.cpp's 8, which its prompt calls take in one piece (runtime/llama_fill.py `parts`); torch's 1
+    fill_rows: int  # the prompt rows a step may give the requests filling their prompts while none decodes, in whole
+    # chunks (engine/batch.py `step`): llama.cpp's N_BATCH, whose prompt rows keep their bits in any calls on the
+    # chunks' grid (docs/algorithms.md §10.5.2); 0 (one chunk a step) where that was not measured (torch)
 
     @property
     def hidden_size(self) -> int:

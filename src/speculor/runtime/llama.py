@@ -160,7 +160,7 @@ class LlamaModel:
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
-        self.cheap_rows, self.min_chunk = False, fill.TILED  # t(n) grows with n here (t(2) = 1.6 t(1)); `fill.parts`
+        self.cheap_rows, self.min_chunk, self.fill_rows = False, fill.TILED, N_BATCH  # t(n) grows with n; `fill.parts`
         self.free_ids = list(range(PADDING - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
         self.dead: list[tuple[int, list[int]]] = []  # (base, extra ids) of caches collected since

@@ -52,7 +52,7 @@ class Model:
         self.cells = None  # every request's cache is its own
         self.cheap_rows = True  # the rows a draft adds cost little beside the forward (fp32 on a CPU, a GPU)
         self.kernel_s = None  # not counted
-        self.min_chunk = 1  # no floor on a prompt's last chunk (engine/batch.py `_chunk`)
+        self.min_chunk, self.fill_rows = 1, 0  # no floor on a prompt's last chunk, one chunk a step (engine/batch.py)
 
     @property
     def hidden_size(self) -> int:
