@@ -55,18 +55,17 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
 
     A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
     to the same forward instead of a tree and emits nothing this step: a joining request slows the running ones by
-    a chunk's rows a step instead of stopping them for its whole prefill (while none decodes, more chunks a step:
-    the backend's `fill_rows`). The chunks fall at the same places
-    whatever else is in the batch. A backend with a prompt memory (runtime/backend.py `PromptMemory`) lends a new
-    prompt the cells of the chunks it starts with, and keeps each prompt's once filled."""
+    a chunk's rows a step instead of stopping them for its whole prefill; while none decodes, the fillers share the
+    backend's `fill_rows` in whole chunks. The calls start and end on one grid whatever else is in the batch. A
+    backend with a prompt memory (runtime/backend.py `PromptMemory`) lends a new prompt the cells of the chunks it
+    starts with, and keeps each prompt's once filled."""
     memory = target if isinstance(target, PromptMemory) else None
     for a in batch:
         if memory and a.req.unfilled and a.req.cache.length == 0 and not reads_features(a.req):
             a.req.unfilled -= memory.reuse(a.req.cache, _prompt(a.req), chunk)
     filling = [a for a in batch if a.req.unfilled]
     decoding = [a for a in batch if not a.req.unfilled]
-    # while none decodes, the backend's fill_rows shared among the fillers, in whole chunks (a prompt's last chunk
-    # then needs no step of its own); the calls still fall on the grid
+    # while none decodes, the fillers share the backend's fill_rows in whole chunks (calls on the grid all the same)
     span = chunk if decoding else max(chunk, target.fill_rows // max(len(filling), 1) // chunk * chunk)
     chunks = {id(a): _chunk(a.req, chunk, target.min_chunk, span) for a in filling}
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
