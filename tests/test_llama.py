@@ -531,3 +531,20 @@ def test_llama_cpps_own_prompt_lookup_runs_as_a_peer(llama_pair):
     for name in ("llama.cpp", "llama.cpp-lookup"):
         tokens, wall = peer_generate(llama_pair, name, ids, cfg, sp.eos_ids)
         assert 0 < len(tokens) <= 24 and wall > 0, name
+
+
+def test_the_servers_warm_up_makes_the_prompt_context_and_leaves_no_request_state(draft):
+    """serving/app.py `warm_up` (run by `speculor serve` before its first request) leaves each llama.cpp model with
+    its prompts' context made (else the first prompt makes it), no kept prompt, and the next greedy answer that of a
+    model that was not warmed up."""
+    from speculor.runtime.backend import Pair
+    from speculor.serving.app import warm_up
+
+    ctx, fresh = (llama.LlamaModel(draft.path, threads=2, n_ctx=2048) for _ in range(2))
+    assert not ctx.sides
+    warm_up(Pair(ctx, fresh, None))
+    assert ctx.sides and fresh.sides and not ctx.prompts
+    cfg = SamplingConfig(max_new_tokens=6)
+    prompt = (PROMPT * 3)[:40]
+    assert [t.id for t in engine.stream(ctx, None, prompt, cfg)] == [t.id for t in engine.stream(
+        llama.LlamaModel(draft.path, threads=2, n_ctx=2048), None, prompt, cfg)]

@@ -318,6 +318,17 @@ def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, ma
     return build_app(srv, srv.metrics, on_shutdown=srv.scheduler.stop)
 
 
+def warm_up(pair: Pair) -> None:
+    """Two greedy tokens after a 16-token prompt on the target and on a draft model, before the first request, as
+    llama-server warms its model at start: the first request then does not pay the first calls' costs (weights
+    paged in from the mapped file, llama.cpp's prompt context made, kernels set up). Nothing a request reads is
+    left: the caches are released, and the prompt memory keeps only the prompts the server fills in chunks."""
+    for model in (pair.target, pair.draft):
+        if model is not None:
+            for _ in engine.stream(model, None, list(range(16)), SamplingConfig(max_new_tokens=2)):
+                pass
+
+
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str | None = None, queue_size: int = 64,
           max_batch: int = MAX_BATCH, **options: Any) -> None:
     """Serve `pair` over HTTP until interrupted (see `create_app`)."""
@@ -325,6 +336,7 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str |
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(pair, strategy=strategy, queue_size=queue_size, max_batch=max_batch, **options)
+    warm_up(pair)
     logger.info("serving %s with strategy %r (batches of up to %d) on http://%s:%d/v1", pair.target_name or
                 "speculor", strategy or DEFAULT_STRATEGY, max_batch, host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -44,7 +44,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from speculor.errors import SpeculorError
-from speculor.serving.app import Stream, build_app, make_server
+from speculor.serving.app import Stream, build_app, make_server, warm_up
 from speculor.serving.errors import APIError, bad_request
 from speculor.serving.formats import EventStream
 from speculor.serving.metrics import Metrics
@@ -81,6 +81,7 @@ class Replica:
         # Ray Serve bounds the requests a replica holds (max_ongoing_requests): its own queue takes all their jobs
         jobs, self.queue_size = (s.max_batch + s.queue_size) * MAX_N, s.queue_size
         self.srv = make_server(pair, s.strategy, jobs, s.max_batch, Metrics(pair.target.device, Ray()), **s.options)
+        warm_up(pair)
         self.id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s (pid %d) serves %s", self.id, os.getpid(), self.srv.model)
 
