@@ -352,9 +352,9 @@ def test_prompts_take_more_chunks_a_step_while_none_decodes(pair, monkeypatch):
     assert batched_engine._chunk(req, 4, 1, 12) == prompts[0][3:12]
     req.unfilled -= 21
     assert batched_engine._chunk(req, 4, 8, 16) == prompts[0][24:40]  # 4 left after 12: the rest joins the chunk
-    # 16 rows: 8 each, then the short prompt decodes (4 a step for the long one), then the long one alone takes 16
+    # 16 rows: 8 each, then the short prompt decodes (4 a step for the long one), then the long one alone its rest
     for fill_rows, calls in ((16, [8, 8, 8, 1, 4, 4, 4, 4, 8]), (0, [4, 4, 4, 4, 4, 1] + [4] * 7)):
-        monkeypatch.setattr(target, "fill_rows", fill_rows, raising=False)
+        monkeypatch.setattr(target, "fill_rows", fill_rows)
         chunks: list[tuple[int, bool]] = []
         target.forward = _recording(target.forward, chunks)
         try:
