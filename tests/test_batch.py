@@ -347,11 +347,11 @@ def test_prompts_take_more_chunks_a_step_while_none_decodes(pair, monkeypatch):
     prompts = [list(range(1, 42)), list(range(50, 60))]  # 40 and 9 prompt rows before the roots
     alone = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts]
     req = engine.start(target, None, prompts[0], cfg, prefill=False)
-    assert batched_engine._chunk(req, 4, 1, 12) == prompts[0][:12]
+    assert batched_engine._chunk(req, 4, 1, 3) == prompts[0][:12]
     req.unfilled -= 3  # as a prompt memory lends 3 cells: the span ends on the grid
-    assert batched_engine._chunk(req, 4, 1, 12) == prompts[0][3:12]
+    assert batched_engine._chunk(req, 4, 1, 3) == prompts[0][3:12]
     req.unfilled -= 21
-    assert batched_engine._chunk(req, 4, 8, 16) == prompts[0][24:40]  # 4 left after 12: the rest joins the chunk
+    assert batched_engine._chunk(req, 4, 8, 3) == prompts[0][24:40]  # 4 left after 12: the rest joins the chunk
     # 16 rows: 8 each, then the short prompt decodes (4 a step for the long one), then the long one alone its rest
     for fill_rows, calls in ((16, [8, 8, 8, 1, 4, 4, 4, 4, 8]), (0, [4, 4, 4, 4, 4, 1] + [4] * 7)):
         monkeypatch.setattr(target, "fill_rows", fill_rows)

@@ -66,8 +66,8 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     filling = [a for a in batch if a.req.unfilled]
     decoding = [a for a in batch if not a.req.unfilled]
     # while none decodes, the fillers share the backend's fill_rows in whole chunks (calls on the grid all the same)
-    span = chunk if decoding else max(chunk, target.fill_rows // max(len(filling), 1) // chunk * chunk)
-    chunks = {id(a): _chunk(a.req, chunk, target.min_chunk, span) for a in filling}
+    n = 1 if decoding else max(1, target.fill_rows // max(len(filling), 1) // chunk)
+    chunks = {id(a): _chunk(a.req, chunk, target.min_chunk, n) for a in filling}
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
     share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
@@ -102,13 +102,12 @@ def _prompt(req: Request) -> list[int]:
     return req.seq[:-1]
 
 
-def _chunk(req: Request, size: int, least: int = 1, span: int = 0) -> list[int]:
-    """The next prompt tokens to prefill: from the first one not in the cache to the next multiple of `size` (the
-    chunks' grid, from position 0 whatever a prompt memory lent), `span // size - 1` grid points further if `span`
-    allows, or to the root when fewer than `least` would be left after it (the backend's `min_chunk`); never the
-    root."""
+def _chunk(req: Request, size: int, least: int = 1, n: int = 1) -> list[int]:
+    """The next prompt tokens to prefill: from the first one not in the cache to the n-th next multiple of `size`
+    (the chunks' grid, from position 0 whatever a prompt memory lent), or to the root when fewer than `least` would
+    be left after it (the backend's `min_chunk`); never the root."""
     done, end = len(req.seq) - 1 - req.unfilled, len(req.seq) - 1
-    grid = (done // size + max(span // size, 1)) * size
+    grid = (done // size + n) * size
     return req.seq[done:grid if end - grid >= least else end]
 
 
