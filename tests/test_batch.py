@@ -66,8 +66,10 @@ def test_one_forward_gives_each_block_its_own_logits(pair):
         assert c.get_seq_length() == len(p) + len(t) and c.length == len(p)
 
 
-def test_batched_greedy_is_token_identical_to_each_request_alone(pair):
+@pytest.mark.parametrize("root", [False, True])
+def test_batched_greedy_is_token_identical_to_each_request_alone(pair, monkeypatch, root):
     target, draft = pair
+    monkeypatch.setattr(target, "root_in_prompt", root)  # the first step scores the root, or the prompt's call
     makers = [lambda: None, lambda: ChainDrafter(draft, 3), lambda: TreeDrafter(draft, [-1, -1, 0, 1, 2], "swor"),
               lambda: NgramDrafter(k=4)]
     cfgs = [SamplingConfig(max_new_tokens=n) for n in (10, 14, 7, 12)]
@@ -292,11 +294,13 @@ def _recording(forward, chunks: list[tuple[int, bool]]):
     return run
 
 
-def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_one(pair):
+@pytest.mark.parametrize("root", [False, True])
+def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_one(pair, monkeypatch, root):
     """Greedy and sampled: every request emits what it emits alone; the running request emits tokens at every step
-    while the joiners fill their prompts (2 tokens a step: up to 4 steps for the 9-token prompt), asking for no
-    logits but their last row's (the first step scores the root)."""
+    while the joiners fill their prompts (2 tokens a step: up to 5 steps for the 9-token prompt), asking for no
+    logits but their last row's (the root's, where the prompt's call scores it: root_in_prompt)."""
     target, draft = pair
+    monkeypatch.setattr(target, "root_in_prompt", root)
     makers = [lambda: ChainDrafter(draft, 2), lambda: None, lambda: TreeDrafter(draft, [-1, -1, 0], "swor")]
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
     for cfgs in ([SamplingConfig(max_new_tokens=n) for n in (16, 6, 8)],
@@ -311,8 +315,9 @@ def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_o
             del target.forward
         assert got == alone
         assert len(per_step) >= 6 and all(n >= 1 for n in per_step)  # never held up by the joiners' prefill
-        # request 0's prefill, then 9 - 1 and 6 - 1 prompt tokens, at most 2 a step, in the steps
-        assert sorted(n for n, _ in chunks) == sorted([len(prompts[0]) - 1, 1] + [2] * 6)
+        # request 0's prefill, then 9 and 6 prompt tokens (less their roots), at most 2 a step, in the steps
+        want = [3, 1] + [2] * 7 if root else [len(prompts[0]) - 1, 1] + [2] * 6
+        assert sorted(n for n, _ in chunks) == sorted(want)
         assert all(last for _, last in chunks)
 
 

@@ -19,9 +19,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def generate(target: ToyLM, draft: ToyLM | None, prompt: list[int], cfg: SamplingConfig, k: int = 2,
-             eos: frozenset[int] = frozenset(), stats: engine.Stats | None = None) -> list[engine.Token]:
+             eos: frozenset[int] = frozenset(), stats: engine.Stats | None = None, root: bool = False
+             ) -> list[engine.Token]:
+    """engine.stream's tokens; root: the target scores the root in the prompt's last call (`root_in_prompt`)."""
     drafter = ChainDrafter(Model(draft), k) if draft is not None else None
-    return list(engine.stream(Model(target), drafter, prompt, cfg, eos, stats))
+    model = Model(target)
+    model.root_in_prompt = root
+    return list(engine.stream(model, drafter, prompt, cfg, eos, stats))
 
 
 # ---------------------------------------------------------------- greedy
@@ -29,11 +33,43 @@ def generate(target: ToyLM, draft: ToyLM | None, prompt: list[int], cfg: Samplin
 
 @pytest.mark.parametrize("prompt", [[0], [1, 2], [5, 4, 3, 2], [3, 3, 3]])
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_greedy_equals_plain_greedy(target, draft, prompt, k):
+@pytest.mark.parametrize("root", [False, True])
+def test_greedy_equals_plain_greedy(target, draft, prompt, k, root):
     cfg = SamplingConfig(max_new_tokens=17)
-    spec = [t.id for t in generate(target, draft, prompt, cfg, k)]
+    spec = [t.id for t in generate(target, draft, prompt, cfg, k, root=root)]
     assert spec == plain_greedy(target, prompt, 17)
-    assert [t.id for t in generate(target, None, prompt, cfg)] == spec
+    assert [t.id for t in generate(target, None, prompt, cfg, root=root)] == spec
+
+
+def counting(forward, rows: list[int]):
+    """forward that first notes the rows of every block it gets."""
+    def run(blocks, **kw):
+        rows.extend(len(b.tokens) for b in blocks)
+        return forward(blocks, **kw)
+    return run
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_prompts_last_call_scores_the_root(target, draft, k):
+    """With root_in_prompt the prompt's call gives the root's logits: plain decoding makes one call fewer (the
+    first token needs none), a drafter's first step forwards its tree alone, against the cache holding the root;
+    the tokens are the same."""
+    cfg = SamplingConfig(max_new_tokens=9)
+    got = {}
+    for root in (False, True):
+        model = Model(target)
+        model.root_in_prompt = root
+        rows: list[int] = []
+        model.forward = counting(model.forward, rows)
+        drafter = ChainDrafter(Model(draft), k) if k else None
+        got[root] = [t.id for t in engine.stream(model, drafter, [5, 4, 3, 2], cfg)], rows
+    (plain, rows), (ours, ours_rows) = got[False], got[True]
+    assert ours == plain == plain_greedy(target, [5, 4, 3, 2], 9)
+    assert rows[0] == 3 and ours_rows[0] == 4  # the prompt less its root, the whole prompt
+    if not k:
+        assert ours_rows[1:] == [1] * 8 and rows[1:] == [1] * 9
+    else:
+        assert ours_rows[1] == k and rows[1] == k + 1  # the first tree without its root row
 
 
 def test_greedy_with_other_draft_tables():
@@ -125,9 +161,12 @@ def test_max_new_tokens_truncates_a_step(target, max_new):
 # ---------------------------------------------------------------- exact law (chi-square goodness of fit)
 
 
-def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed0: int) -> torch.Tensor:
-    """Counts [V]*N of the first N tokens over m seeded generations (the models reused, as a server would)."""
+def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed0: int, root: bool = False
+                  ) -> torch.Tensor:
+    """Counts [V]*N of the first N tokens over m seeded generations (the models reused, as a server would); root:
+    the root scored in the prompt's call (`root_in_prompt`)."""
     t_model, drafter = Model(target), ChainDrafter(Model(draft), 2)
+    t_model.root_in_prompt = root
     counts = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):
         run = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=N,
@@ -138,25 +177,27 @@ def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed
 
 
 LAW_CASES = {
-    "T=1": (SamplingConfig(temperature=1.0), 4000),
-    "T=0.7,top_p=0.9": (SamplingConfig(temperature=0.7, top_p=0.9), 3000),
+    "T=1": (SamplingConfig(temperature=1.0), 4000, False),
+    "T=0.7,top_p=0.9": (SamplingConfig(temperature=0.7, top_p=0.9), 3000, False),
+    "T=1, the root scored by the prompt's call": (SamplingConfig(temperature=1.0), 4000, True),
 }
 
 
 @pytest.mark.parametrize("case", list(LAW_CASES))
 def test_first_tokens_follow_exact_law(target, draft, case):
-    cfg, m = LAW_CASES[case]
+    cfg, m, root = LAW_CASES[case]
     law = exact_law(target, PROMPT, cfg, N)
     assert abs(float(law.sum()) - 1) < 1e-9
-    pvalue, tv, floor = goodness_of_fit(sample_counts(target, draft, cfg, m, seed0=1000), law)
+    pvalue, tv, floor = goodness_of_fit(sample_counts(target, draft, cfg, m, seed0=1000, root=root), law)
     assert pvalue > 1e-3, f"{case}: chi-square p-value {pvalue:.2e} (TV {tv:.4f}, noise floor {floor:.4f})"
     assert tv < 2 * floor
 
 
-def test_chi_square_detects_a_biased_verifier(target, draft, monkeypatch):
+@pytest.mark.parametrize("root", [False, True])
+def test_chi_square_detects_a_biased_verifier(target, draft, monkeypatch, root):
     """Negative control: resampling from p after a rejection (no residual) must be caught by the same harness."""
     monkeypatch.setattr(speculor.core.verify, "residual", lambda r, d: r)
     cfg = SamplingConfig(temperature=1.0)
-    pvalue, tv, floor = goodness_of_fit(sample_counts(target, draft, cfg, 3000, seed0=1000),
+    pvalue, tv, floor = goodness_of_fit(sample_counts(target, draft, cfg, 3000, seed0=1000, root=root),
                                         exact_law(target, PROMPT, cfg, N))
     assert pvalue < 1e-6, f"biased verifier not detected: p-value {pvalue:.2e}, TV {tv:.4f}"

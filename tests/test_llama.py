@@ -322,13 +322,14 @@ def steps_after(ctx, cache, root, n=6):
 def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monkeypatch):
     """The prompt memory lends a later prompt the cells of the whole chunks it shares with a kept one, and within
     the next chunk a multiple of 4 rows that leaves the chunk's rest a call of 8 rows or more (70 shared: 68; 30
-    shared: 24), or all of them for the same prompt; the request's next steps have the bits of a fresh context's.
+    shared: 24), never its last 8 rows (the same prompt: 92 of 100; 100 shared of 101: 92, not 96, which would leave a
+    5-row call); the request's next steps have the bits of a fresh context's.
     Negative control: 28 of 30 lent, the chunk's last 4 rows are a call of the vector kernels, and the steps differ."""
     first = (PROMPT * 12)[:101]
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
     filled(ctx, first[:-1])
-    cases = ((first, 100), (first[:70] + list(range(3000, 3031)), 68), (first[:30] + list(range(3000, 3071)), 24),
-             (list(range(500, 600)), 0))
+    cases = ((first, 92), (first + [3000], 92), (first[:70] + list(range(3000, 3031)), 68),
+             (first[:30] + list(range(3000, 3071)), 24), (list(range(500, 600)), 0))
     for prompt, lends in cases:
         fresh = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
         cache, lent = filled(ctx, prompt[:-1])
@@ -346,26 +347,33 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monk
                                                              strict=True))
 
 
-@pytest.mark.parametrize("n", [101, 104, 133])
+def first_steps(ctx, req):
+    """The root's logits from the prompt's last call (`root_in_prompt`), then the steps after their argmax."""
+    first = req.ready.logits[0]
+    return [first, *steps_after(ctx, req.cache, int(first.argmax()))]
+
+
+@pytest.mark.parametrize("n", [100, 103, 132])
 def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monkeypatch, n):
     """The server's chunks (engine/batch.py: 32 rows on a grid a step, or while none decodes up to fill_rows) and
-    the library's prefill (one block, calls of 512) give a prompt the same cells, also where its last chunk would
-    be short (100, 103, 132 cells: 4, 7, 4 rows left) and after a prompt memory lent its start (24 cells, the rest
-    in one call): the request's next steps are bit-equal. Negative control: a short last chunk (min_chunk 1)
-    differs."""
+    the library's prefill (one block, calls of 512) give a prompt the same cells and its last row, the root, the
+    same logits, also where its last chunk would be short (100, 103, 132 rows: 4, 7, 4 left) and after a prompt
+    memory lent its start (24 cells, the rest in one call): the root's logits and the request's next steps are
+    bit-equal. Negative control: a short last chunk (min_chunk 1) differs."""
     prompt, cfg = (PROMPT * 12)[:n], SamplingConfig(max_new_tokens=4)
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
+    assert ctx.root_in_prompt
 
     def chunked(p):
         a = batched_engine.Active(engine.start(ctx, None, p, cfg, prefill=False), frozenset())
         while a.req.unfilled:
             batched_engine.step(ctx, [a])
-        return steps_after(ctx, a.req.cache, p[-1])
+        return first_steps(ctx, a.req)
 
     def equal(got, want):
         return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
-    want = steps_after(ctx, engine.start(ctx, None, prompt, cfg).cache, prompt[-1])
+    want = first_steps(ctx, engine.start(ctx, None, prompt, cfg))
     for rows in (llama.N_BATCH, 0):  # the whole prompt in one step, or a chunk a step
         monkeypatch.setattr(ctx, "fill_rows", rows)
         ctx.prompts.clear()
@@ -374,8 +382,9 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
     lent, reuse = [], ctx.reuse
     monkeypatch.setattr(ctx, "reuse", lambda *a: lent.append(reuse(*a)) or lent[-1])
     monkeypatch.setattr(ctx, "fill_rows", llama.N_BATCH)
-    assert equal(chunked(other), steps_after(ctx, engine.start(ctx, None, other, cfg).cache, other[-1]))
-    assert lent == [24]
+    assert equal(chunked(other), first_steps(ctx, engine.start(ctx, None, other, cfg)))
+    assert equal(chunked(prompt), want)  # the same prompt again: all but its last call's rows lent
+    assert lent[0] == 24 and lent[1] == (n - 8) // 4 * 4
     monkeypatch.setattr(ctx, "fill_rows", 0)
     monkeypatch.setattr(ctx, "min_chunk", 1)
     ctx.prompts.clear()
@@ -481,7 +490,7 @@ def test_a_prompt_after_a_rewound_cache_is_copied_in_again(draft):
 
 def test_the_prompt_memory_keeps_no_cell_in_the_shared_memory(draft):
     """Kept prompts are bytes on the host: once their request ends no sequence holds a cell (every call would visit
-    them); the prompt is copied in for the next request that starts with it."""
+    them); the prompt is copied in for the next request that starts with it (all but its last call's 8 rows)."""
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
     prompt = (PROMPT * 12)[:100]
     cache, _ = filled(ctx, prompt)
@@ -489,7 +498,7 @@ def test_the_prompt_memory_keeps_no_cell_in_the_shared_memory(draft):
     ctx.release()
     assert all(ctx.L.llama_memory_seq_pos_max(ctx.mem, s) < 0 for s in range(llama.MAX_SEQ))
     cache, lent = filled(ctx, prompt)
-    assert lent == 100 and ctx.L.llama_memory_seq_pos_max(ctx.mem, cache.base) == 99
+    assert lent == 92 and ctx.L.llama_memory_seq_pos_max(ctx.mem, cache.base) == 99
 
 
 def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):

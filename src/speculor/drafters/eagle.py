@@ -44,10 +44,11 @@ class EagleDrafter(DySpecDrafter):
         self.reads_features = not self.declines
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
-        if self.ledger is not None:  # in a batch a draft may pay: the features from now on, and no draft before
-            self.reads_features = True  # the root's parent has one (a head without it walks the whole prompt)
-            if len(seq) > 1 and self.store.get(len(seq) - 2) is None:
-                return self.decline()
+        if self.ledger is not None:  # in a batch a draft may pay: the features from now on
+            self.reads_features = True
+        if self.reads_features and len(seq) > 1 and self.store.get(len(seq) - 2) is None:
+            return self.decline()  # no draft before the root's parent has a feature (a head without it walks the
+            # whole prompt; a prompt whose call scored the root gave none: engine/loop.py `prompt_features`)
         tree = yield from super().propose(seq, cfg, generator)
         if self.skipped and self.ledger is None:  # alone, `can_pay` only falls (a is frozen then)
             self.reads_features = False

@@ -29,7 +29,8 @@ from speculor.engine.loop import (
     Token,
     block,
     emit,
-    keep_features,
+    filled,
+    prompt_features,
     reads_features,
     record,
     settle,
@@ -71,26 +72,24 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
     share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
-    # a chunk's logits are never read (the first step scores the root): only its last row's, or every row's
-    # hidden states for a drafter that reads them
-    blocks = [Block(a.req.cache, chunks[id(a)], hidden=reads_features(a.req), last=not reads_features(a.req))
-              for a in filling]
+    # a chunk's logits: only its last row's (the root's, read by the first step, where the chunk ends with it), or
+    # every row's hidden states for a drafter that reads them
+    blocks = [Block(a.req.cache, chunks[id(a)], hidden=prompt_features(target, a.req),
+                    last=not prompt_features(target, a.req)) for a in filling]
+    own = [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)]  # None: the root's result ready
     t1 = time.perf_counter()
-    results = target.forward(blocks + [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)])
+    results = iter(target.forward(blocks + [b for b in own if b is not None]))
     t2 = time.perf_counter()
     emitted: dict[int, list[Token]] = {}
     for a, out in zip(filling, results, strict=False):
-        keep_features(a.req, len(a.req.seq) - 1 - a.req.unfilled, out)
-        n = len(chunks[id(a)])
-        a.req.cache.keep(list(range(n)))
-        a.req.unfilled -= n
+        filled(a.req, out, len(chunks[id(a)]))
         a.req.stats.prefill_s += t2 - t1
         if memory and not a.req.unfilled:
             memory.remember(a.req.cache, _prompt(a.req), chunk)
         emitted[id(a)] = []
-    for a, tree, out in zip(decoding, trees, results[len(filling):], strict=True):
+    for a, tree, b in zip(decoding, trees, own, strict=True):
         t = time.perf_counter()
-        verdict = settle(a.req, tree, out)
+        verdict = settle(a.req, tree, next(results) if b is not None else None)
         emitted[id(a)], a.done = emit(a.req, tree, verdict, a.eos_ids)
         d_s = share if a.req.drafter is not None else 0.0
         a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, t2 - t1, time.perf_counter() - t))
@@ -98,15 +97,15 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
 
 
 def _prompt(req: Request) -> list[int]:
-    """The prompt tokens a prefill puts in the cache (all but the root; seq is the prompt while it fills)."""
-    return req.seq[:-1]
+    """The prompt tokens a prefill puts in the cache (loop.py `start`; seq is the prompt while it fills)."""
+    return req.seq[:req.fill]
 
 
 def _chunk(req: Request, size: int, least: int = 1, n: int = 1) -> list[int]:
     """The next prompt tokens to prefill: from the first one not in the cache to the n-th next multiple of `size`
-    (the chunks' grid, from position 0 whatever a prompt memory lent), or to the root when fewer than `least` would
-    be left after it (the backend's `min_chunk`); never the root."""
-    done, end = len(req.seq) - 1 - req.unfilled, len(req.seq) - 1
+    (the chunks' grid, from position 0 whatever a prompt memory lent), or to the prompt's end when fewer than
+    `least` would be left after it (the backend's `min_chunk`)."""
+    done, end = req.fill - req.unfilled, req.fill
     grid = (done // size + n) * size
     return req.seq[done:grid if end - grid >= least else end]
 

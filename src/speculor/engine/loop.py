@@ -2,6 +2,8 @@
 
     drafter.propose(seq) -> DraftTree                                  (its draft forwards: engine/drafting.py)
     target.forward([Block(cache, [root] + tree.tokens, tree parents)]) -> Rows: logits per node
+                                                                (the first step: the tree alone where the prompt's
+                                                                last call scored the root, `Request.ready`)
     verify_greedy / verify_sampled -> accepted path + recovered/bonus token
     cache.keep(root + path)      drafter.observe(verdict)      yield Token ...
 
@@ -82,29 +84,50 @@ class Request:
     generator: torch.Generator | None
     stats: Stats
     produced: int = 0
-    unfilled: int = 0  # prompt tokens (the root excepted) not yet in the target's cache: chunked prefill (batch.py)
+    fill: int = 0  # prompt tokens the prefill puts in the target's cache: all, or all but the root (`start`)
+    unfilled: int = 0  # of those, the ones not yet in the cache: chunked prefill (batch.py)
+    ready: Rows | None = None  # the root's result from the prompt's last call, for the first step (`scored`)
     scores: list | None = None  # the last step's (logprob, top) per emitted token, with cfg.logprobs (`settle`)
 
 
 def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
           stats: Stats | None = None, prefill: bool = True) -> Request:
-    """A request after its prompt prefill: the target's cache holds every prompt token but the root. With
-    prefill=False the cache starts empty and the batched step (engine/batch.py) fills it chunk by chunk."""
+    """A request after its prompt prefill: the target's cache holds every prompt token and the root's logits are
+    `ready` for the first step, where the backend scores the root in the prompt's last call (`root_in_prompt`);
+    else it holds every prompt token but the root, which the first step scores. With prefill=False the cache
+    starts empty and the batched step (engine/batch.py) fills it chunk by chunk."""
     check_prompt(prompt, cfg, target)
     stats = stats if stats is not None else Stats()
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     t0 = time.perf_counter()
-    req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats, unfilled=len(prompt) - 1)
+    req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats)
     if drafter is not None:
         drafter.reset()
-    if prefill and req.unfilled:  # its logits are not needed: the first step scores the root
-        out = forward1(target, req.cache, prompt[:-1], last=True, hidden=reads_features(req))
-        # the features of the prefill's rows, or of its last rows alone (llama.cpp computes only the wanted ones)
-        keep_features(req, req.unfilled - len(out.hidden) if out.hidden is not None else 0, out)
-        req.cache.keep(list(range(req.unfilled)))
-        req.unfilled = 0
+    req.fill = req.unfilled = len(prompt) - (not target.root_in_prompt)
+    if prefill and req.unfilled:
+        out = forward1(target, req.cache, prompt[:req.fill], last=True, hidden=prompt_features(target, req))
+        filled(req, out, req.fill)
     stats.prefill_s = time.perf_counter() - t0
     return req
+
+
+def prompt_features(target: Backend, req: Request) -> bool:
+    """Whether a prompt's calls give the target's features: where the drafter reads them and the calls do not score
+    the root (llama.cpp would output every row of the call, the root's through other kernels than a lone output
+    row's: plain decoding's); a drafter then drafts once the root's parent has a feature (drafters/eagle.py)."""
+    return reads_features(req) and not target.root_in_prompt
+
+
+def filled(req: Request, out: Rows, n: int) -> None:
+    """Commit a prompt block of `n` rows just forwarded (`out`: its last row's logits, with its features where the
+    drafter reads them); when it ends the prompt with the root, the root's logits wait for the first step."""
+    # the features of the block's rows, or of its last rows alone (llama.cpp computes only the wanted ones)
+    end = req.fill - req.unfilled + n
+    keep_features(req, end - len(out.hidden) if out.hidden is not None else 0, out)
+    req.cache.keep(list(range(n)))
+    req.unfilled -= n
+    if not req.unfilled and req.fill == len(req.seq):
+        req.ready = Rows(out.logits[-1:])
 
 
 def stream(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
@@ -128,9 +151,12 @@ def propose(req: Request) -> DraftTree:
     return propose_all([req])[0][0] if req.drafter is not None else EMPTY
 
 
-def block(req: Request, tree: DraftTree) -> Block:
+def block(req: Request, tree: DraftTree) -> Block | None:
     """What the target forwards for a request: its cache, [root] + the tree's tokens, their block parents (and
-    its last hidden states, for a drafter that reads them)."""
+    its last hidden states, for a drafter that reads them); the tree alone where the root's result is `ready`
+    (None for an empty tree: nothing to forward)."""
+    if req.ready is not None:
+        return Block(req.cache, tree.tokens, tree.parents, hidden=reads_features(req)) if len(tree) else None
     return Block(req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents),
                  hidden=reads_features(req))
 
@@ -147,9 +173,12 @@ def keep_features(req: Request, start: int, out: Rows, rows: list[int] | None = 
         req.drafter.store.put(start, out.hidden if rows is None else out.hidden[rows])
 
 
-def settle(req: Request, tree: DraftTree, out: Rows) -> Verdict:
-    """Verify a request's tree against the target's logits for it (`out`: the block's result), commit the accepted
-    path, give the drafter the target's features of the root and the path (where it reads them), tell it."""
+def settle(req: Request, tree: DraftTree, out: Rows | None) -> Verdict:
+    """Verify a request's tree against the target's logits for it (`out`: the block's result, None where there was
+    no block), commit the accepted path, give the drafter the target's features of the root and the path (where it
+    reads them), tell it."""
+    ready, req.ready = req.ready, None
+    out = scored(ready, out) if ready is not None else out
     logits = out.logits
     check_finite(logits, "target")
     cfg = req.cfg
@@ -159,10 +188,18 @@ def settle(req: Request, tree: DraftTree, out: Rows) -> Verdict:
     keep_features(req, len(req.seq) - 1, out, rows)
     if cfg.logprobs is not None:  # token path[j] was chosen at the row of its parent, the last token below the path
         req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
-    req.cache.keep(rows)
+    req.cache.keep(rows if ready is None else verdict.path)  # the root already committed by the prompt's call
     if req.drafter is not None:
         req.drafter.observe(len(req.seq), verdict)
     return verdict
+
+
+def scored(ready: Rows, out: Rows | None) -> Rows:
+    """The rows of [root] + tree when the root's were computed apart (`Request.ready`) and the tree's in `out`."""
+    if out is None:
+        return ready
+    both = ready.hidden is not None and out.hidden is not None
+    return Rows(torch.cat([ready.logits, out.logits]), torch.cat([ready.hidden, out.hidden]) if both else None)
 
 
 def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int]) -> tuple[list[Token], bool]:
@@ -190,7 +227,8 @@ def _step(target: Backend, req: Request) -> tuple[Verdict, DraftTree, Step]:
     t0 = time.perf_counter()
     tree = propose(req)
     t1 = time.perf_counter()
-    (out,) = target.forward([block(req, tree)])
+    b = block(req, tree)
+    out = target.forward([b])[0] if b is not None else None
     t2 = time.perf_counter()
     verdict = settle(req, tree, out)
     return verdict, tree, record(req.drafter, verdict, tree, t1 - t0, t2 - t1, time.perf_counter() - t2)

@@ -9,7 +9,8 @@ Everything above `runtime/` (drafters, engine, serving, bench) talks to a model 
     backend.device, backend.hidden_size, backend.embedding() (what a head over its features reads)
     backend.cost_key, backend.weights (what its measured cost curve depends on), backend.cheap_rows (whether a few
     more rows in a forward cost little: strategies' default budgets), backend.min_chunk (the fewest rows a prompt
-    filled in chunks may end with), backend.fill_rows (the prompt rows a step may fill while none decodes)
+    filled in chunks may end with), backend.fill_rows (the prompt rows a step may fill while none decodes),
+    backend.root_in_prompt (whether a prompt's last call scores its last token, the first tree's root)
 
 A `Block` is one request's new rows against that request's cache: tokens with parents inside the block (-1 =
 attends only to the cache), a chain for a prompt, [root] + nodes for a draft tree. One call may carry many
@@ -107,6 +108,10 @@ class Backend(Protocol):
     fill_rows: int  # the prompt rows a step may give the requests filling their prompts while none decodes, in whole
     # chunks (engine/batch.py `step`): llama.cpp's N_BATCH, whose prompt rows keep their bits in any calls on the
     # chunks' grid (docs/algorithms.md §10.5.2); 0 (one chunk a step) where that was not measured (torch)
+    root_in_prompt: bool  # whether the prompt's last call also gives its last token's logits, the first step's root
+    # (engine/loop.py `start`): llama.cpp, where that row has the same bits however the prompt was cut into calls on
+    # the grid (§10.5.2), as llama.cpp itself does, saving a call a request; False: the first step scores the root
+    # (torch: the fp32 greedy records are kept bit for bit, and a torch row's bits depend on its call's size)
 
     @property
     def hidden_size(self) -> int:

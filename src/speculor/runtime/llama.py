@@ -42,8 +42,9 @@ state) when it is filled and kept on the host (the MAX_PROMPTS latest, oldest fo
 starts with the same tokens has them copied in above every occupied cell instead of computing them, as many as give
 the bits it would compute (`lendable`): its whole chunks, and within the next one a multiple of 4 rows that leaves
 it a call of at least fill.TILED rows (a prompt row's bits depend on its call through the 4-row blocks of the repacked
-kernels and whether the call takes ggml's tiled matmul, which needs fill.TILED rows; docs/algorithms.md §10.5.2), or
-all of them for the same prompt. Kept out of the shared memory, they cost no call a visit.
+kernels and whether the call takes ggml's tiled matmul, which needs fill.TILED rows; docs/algorithms.md §10.5.2),
+never its last fill.TILED rows (their call scores its last row). Kept out of the shared memory, they cost no call a
+visit.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class LlamaModel:
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         self.cheap_rows, self.min_chunk, self.fill_rows = False, fill.TILED, N_BATCH  # t(n) grows with n; `fill.parts`
+        self.root_in_prompt = True  # the prompt's last row keeps its bits in any calls on the grid (`lendable`)
         self.free_ids = list(range(PADDING - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
         self.dead: list[tuple[int, list[int]]] = []  # (base, extra ids) of caches collected since
@@ -245,15 +247,12 @@ class LlamaModel:
 
     def reuse(self, cache: LlamaCache, tokens: list[int], chunk: int) -> int:
         """Into an empty cache, the kept cells of the longest start of `tokens` that a prompt filled in the same
-        chunks may lend it (`lendable`), or all of them if it is `tokens`; how many positions it now holds."""
+        chunks may lend it (`lendable`); how many positions it now holds."""
         best, src = 0, None
         for key in self.prompts:
-            kept = key[1:]
             if key[0] != chunk:
                 continue
-            if kept == tuple(tokens):
-                best, src = len(tokens), key
-                break
+            kept = key[1:]
             same = next((i for i, (a, b) in enumerate(zip(kept, tokens, strict=False)) if a != b),
                         min(len(kept), len(tokens)))
             if (lent := lendable(same, len(kept), len(tokens), chunk)) > best:
@@ -385,11 +384,12 @@ class LlamaModel:
 def lendable(same: int, kept: int, wanted: int, chunk: int) -> int:
     """How many of the `same` first tokens a prompt of `wanted` shares with a kept prompt of `kept`, both filled in
     calls on the grid of `chunk`, it may take the cells of (module docstring): the whole chunks, and where both
-    computed the next chunk whole, the multiple of 4 rows that leaves its rest a call of fill.TILED rows or more."""
+    computed the next chunk whole, a multiple of 4 rows of it; never so many that the rest of `wanted` is not a
+    call of fill.TILED rows or more (the calls that would have computed it: its last row's logits included)."""
     g = same // chunk * chunk
-    if min(kept, wanted) < g + chunk:
-        return g
-    return g + min(same - g, chunk - fill.TILED) // padded.PAD * padded.PAD
+    if min(kept, wanted) >= g + chunk:
+        g += min(same - g, chunk - fill.TILED) // padded.PAD * padded.PAD
+    return max(min(g, (wanted - fill.TILED) // padded.PAD * padded.PAD), 0)
 
 
 def rows_of(rows: list[np.ndarray]) -> np.ndarray:

@@ -53,6 +53,7 @@ class Model:
         self.cheap_rows = True  # the rows a draft adds cost little beside the forward (fp32 on a CPU, a GPU)
         self.kernel_s = None  # not counted
         self.min_chunk, self.fill_rows = 1, 0  # no floor on a prompt's last chunk, one chunk a step (engine/batch.py)
+        self.root_in_prompt = False  # the first step scores the root (runtime/backend.py)
 
     @property
     def hidden_size(self) -> int:
