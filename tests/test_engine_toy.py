@@ -51,9 +51,9 @@ def counting(forward, rows: list[int]):
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_the_prompts_last_call_scores_the_root(target, draft, k):
-    """With root_in_prompt the prompt's call gives the root's logits: plain decoding makes one call fewer (the
-    first token needs none), a drafter's first step forwards its tree alone, against the cache holding the root;
-    the tokens are the same."""
+    """With root_in_prompt the prompt's call gives the root's logits: the first step draws its token from them with
+    no call and no draft (plain decoding makes one call fewer), the drafter drafts from the second step on; the
+    tokens are the same."""
     cfg = SamplingConfig(max_new_tokens=9)
     got = {}
     for root in (False, True):
@@ -62,14 +62,17 @@ def test_the_prompts_last_call_scores_the_root(target, draft, k):
         rows: list[int] = []
         model.forward = counting(model.forward, rows)
         drafter = ChainDrafter(Model(draft), k) if k else None
-        got[root] = [t.id for t in engine.stream(model, drafter, [5, 4, 3, 2], cfg)], rows
-    (plain, rows), (ours, ours_rows) = got[False], got[True]
+        stats = engine.Stats()
+        got[root] = [t.id for t in engine.stream(model, drafter, [5, 4, 3, 2], cfg, stats=stats)], rows, stats
+    (plain, rows, stats), (ours, ours_rows, our_stats) = got[False], got[True]
     assert ours == plain == plain_greedy(target, [5, 4, 3, 2], 9)
     assert rows[0] == 3 and ours_rows[0] == 4  # the prompt less its root, the whole prompt
+    assert our_stats.steps[0].drafted == 0 and our_stats.steps[0].draft_forwards == 0
     if not k:
         assert ours_rows[1:] == [1] * 8 and rows[1:] == [1] * 9
     else:
-        assert ours_rows[1] == k and rows[1] == k + 1  # the first tree without its root row
+        assert rows[1] == ours_rows[1] == k + 1  # the first tree: the second step's with the root scored apart
+        assert stats.steps[0].drafted == k
 
 
 def test_greedy_with_other_draft_tables():

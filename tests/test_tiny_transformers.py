@@ -169,6 +169,12 @@ def test_empty_prompt(speculor_pair, prompt):
         Speculor(speculor_pair).generate(prompt, SamplingConfig(max_new_tokens=4))
 
 
+@pytest.mark.parametrize("prompt", [[3, 10**6], [3, -1], [3, 4.0], [3, "w5"]])
+def test_a_prompt_of_other_than_token_ids_is_refused(speculor_pair, prompt):
+    with pytest.raises(SpeculorError, match="token ids are ints"):
+        Speculor(speculor_pair).generate(prompt, SamplingConfig(max_new_tokens=4))
+
+
 def test_text_prompt_is_encoded(speculor_pair, target):
     out = Speculor(speculor_pair).generate("w5 w7 w9", SamplingConfig(max_new_tokens=5, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, [5, 7, 9], 5)

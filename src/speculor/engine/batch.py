@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from speculor.config import SamplingConfig
+from speculor.core.tree import EMPTY
 from speculor.drafters.base import Drafter
 from speculor.engine.drafting import Book, propose_all
 from speculor.engine.loop import (
@@ -55,9 +56,10 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     """One batched step over the active requests; the tokens each one emits (already appended to its seq).
 
     A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
-    to the same forward instead of a tree and emits nothing this step: a joining request slows the running ones by
-    a chunk's rows a step instead of stopping them for its whole prefill; while none decodes, the fillers share the
-    backend's `fill_rows` in whole chunks. The calls start and end on one grid whatever else is in the batch. A
+    to the same forward instead of a tree and emits nothing this step, but its first token where its last chunk
+    scored the root (`Request.ready`): a joining request slows the running ones by a chunk's rows a step instead
+    of stopping them for its whole prefill; while none decodes, the fillers share the backend's `fill_rows` in
+    whole chunks. The calls start and end on one grid whatever else is in the batch. A
     backend with a prompt memory (runtime/backend.py `PromptMemory`) lends a new prompt the cells of the chunks it
     starts with, and keeps each prompt's once filled."""
     memory = target if isinstance(target, PromptMemory) else None
@@ -71,7 +73,8 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     chunks = {id(a): _chunk(a.req, chunk, target.min_chunk, n) for a in filling}
     book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], book)
-    share = draft_s / max(sum(a.req.drafter is not None for a in decoding), 1)  # the drafting was shared
+    drafted = [a.req.drafter is not None and a.req.ready is None for a in decoding]
+    share = draft_s / max(sum(drafted), 1)  # the drafting was shared
     # a chunk's logits: only its last row's (the root's, read by the first step, where the chunk ends with it), or
     # every row's hidden states for a drafter that reads them
     blocks = [Block(a.req.cache, chunks[id(a)], hidden=prompt_features(target, a.req),
@@ -87,12 +90,15 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
         if memory and not a.req.unfilled:
             memory.remember(a.req.cache, _prompt(a.req), chunk)
         emitted[id(a)] = []
-    for a, tree, b in zip(decoding, trees, own, strict=True):
+    settled = [(a, tree, next(results) if b is not None else None, share if d else 0.0, t2 - t1)
+               for a, tree, b, d in zip(decoding, trees, own, drafted, strict=True)]
+    # a prompt whose last call scored its root: its first token in this step (no draft, no call: loop.settle)
+    settled += [(a, EMPTY, None, 0.0, 0.0) for a in filling if a.req.ready is not None]
+    for a, tree, out, d_s, v_s in settled:
         t = time.perf_counter()
-        verdict = settle(a.req, tree, next(results) if b is not None else None)
+        verdict = settle(a.req, tree, out)
         emitted[id(a)], a.done = emit(a.req, tree, verdict, a.eos_ids)
-        d_s = share if a.req.drafter is not None else 0.0
-        a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, t2 - t1, time.perf_counter() - t))
+        a.req.stats.steps.append(record(a.req.drafter, verdict, tree, d_s, v_s, time.perf_counter() - t))
     return [emitted[id(a)] for a in batch]
 
 

@@ -135,7 +135,10 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
     drafter is given its seat of `book` (if given) as its `ledger`."""
     t0 = time.perf_counter()
     apart = any(r.drafter is not None and not r.cfg.greedy for r in reqs)
-    drafting = [i for i, r in enumerate(reqs) if r.drafter is not None]
+    drafting = [i for i, r in enumerate(reqs) if r.drafter is not None and r.ready is None]  # ready: no draft
+    if book is not None:
+        for i in (i for i, r in enumerate(reqs) if r.ready is not None):
+            book.rows[i] = 0  # its token from the prompt's call, no row
     for i in drafting:
         d = reqs[i].drafter
         if book is not None and isinstance(d, BatchAware) and d.batch_aware:

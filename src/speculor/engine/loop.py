@@ -2,8 +2,8 @@
 
     drafter.propose(seq) -> DraftTree                                  (its draft forwards: engine/drafting.py)
     target.forward([Block(cache, [root] + tree.tokens, tree parents)]) -> Rows: logits per node
-                                                                (the first step: the tree alone where the prompt's
-                                                                last call scored the root, `Request.ready`)
+                                                                (none where the prompt's last call scored the root,
+                                                                `Request.ready`: that step drafts nothing)
     verify_greedy / verify_sampled -> accepted path + recovered/bonus token
     cache.keep(root + path)      drafter.observe(verdict)      yield Token ...
 
@@ -65,6 +65,10 @@ class Stats:
 def check_prompt(prompt: list[int], cfg: SamplingConfig, target: Backend) -> None:
     if not prompt:
         raise SpeculorError("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < target.vocab_size for t in prompt):  # numpy's ints are not ints
+        bad = next(t for t in prompt if not (isinstance(t, int) and 0 <= t < target.vocab_size))
+        raise SpeculorError(f"the prompt holds {bad!r} ({type(bad).__name__}): token ids are ints in "
+                            f"[0, {target.vocab_size}) (a tokenizer's output object is not a list of ids)")
     if len(prompt) + cfg.max_new_tokens > target.context_length:
         raise SpeculorError(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
@@ -86,16 +90,17 @@ class Request:
     produced: int = 0
     fill: int = 0  # prompt tokens the prefill puts in the target's cache: all, or all but the root (`start`)
     unfilled: int = 0  # of those, the ones not yet in the cache: chunked prefill (batch.py)
-    ready: Rows | None = None  # the root's result from the prompt's last call, for the first step (`scored`)
+    ready: Rows | None = None  # the root's result from the prompt's last call: the first step's (`settle`)
     scores: list | None = None  # the last step's (logprob, top) per emitted token, with cfg.logprobs (`settle`)
 
 
 def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
           stats: Stats | None = None, prefill: bool = True) -> Request:
     """A request after its prompt prefill: the target's cache holds every prompt token and the root's logits are
-    `ready` for the first step, where the backend scores the root in the prompt's last call (`root_in_prompt`);
-    else it holds every prompt token but the root, which the first step scores. With prefill=False the cache
-    starts empty and the batched step (engine/batch.py) fills it chunk by chunk."""
+    `ready` for the first step, where the backend scores the root in the prompt's last call (`root_in_prompt`):
+    that step drafts nothing and forwards nothing, its token the prompt call's; else the cache holds every prompt
+    token but the root, which the first step scores. With prefill=False the cache starts empty and the batched step
+    (engine/batch.py) fills it chunk by chunk."""
     check_prompt(prompt, cfg, target)
     stats = stats if stats is not None else Stats()
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
@@ -144,19 +149,19 @@ def stream(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Sam
 
 
 def propose(req: Request) -> DraftTree:
-    """The request's draft tree after its sequence (the empty tree for plain decoding), drafted with the kernels a
-    batched step gives it (engine/drafting.py), so a seed gives the same output alone and in a batch."""
+    """The request's draft tree after its sequence (the empty tree for plain decoding and where the root's result
+    is `ready`), drafted with the kernels a batched step gives it (engine/drafting.py), so a seed gives the same
+    output alone and in a batch."""
     from speculor.engine.drafting import propose_all  # drafting builds on this module's Request
 
-    return propose_all([req])[0][0] if req.drafter is not None else EMPTY
+    return propose_all([req])[0][0] if req.drafter is not None and req.ready is None else EMPTY
 
 
 def block(req: Request, tree: DraftTree) -> Block | None:
     """What the target forwards for a request: its cache, [root] + the tree's tokens, their block parents (and
-    its last hidden states, for a drafter that reads them); the tree alone where the root's result is `ready`
-    (None for an empty tree: nothing to forward)."""
+    its last hidden states, for a drafter that reads them); None where the root's result is `ready` (no tree)."""
     if req.ready is not None:
-        return Block(req.cache, tree.tokens, tree.parents, hidden=reads_features(req)) if len(tree) else None
+        return None
     return Block(req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents),
                  hidden=reads_features(req))
 
@@ -174,11 +179,11 @@ def keep_features(req: Request, start: int, out: Rows, rows: list[int] | None = 
 
 
 def settle(req: Request, tree: DraftTree, out: Rows | None) -> Verdict:
-    """Verify a request's tree against the target's logits for it (`out`: the block's result, None where there was
-    no block), commit the accepted path, give the drafter the target's features of the root and the path (where it
-    reads them), tell it."""
+    """Verify a request's tree against the target's logits for it (`out`: the block's result), commit the accepted
+    path, give the drafter the target's features of the root and the path (where it reads them), tell it. Where
+    the root's result is `ready` (out None, the empty tree): its token, committed already, told to no drafter."""
     ready, req.ready = req.ready, None
-    out = scored(ready, out) if ready is not None else out
+    out = ready if ready is not None else out
     logits = out.logits
     check_finite(logits, "target")
     cfg = req.cfg
@@ -188,18 +193,11 @@ def settle(req: Request, tree: DraftTree, out: Rows | None) -> Verdict:
     keep_features(req, len(req.seq) - 1, out, rows)
     if cfg.logprobs is not None:  # token path[j] was chosen at the row of its parent, the last token below the path
         req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
-    req.cache.keep(rows if ready is None else verdict.path)  # the root already committed by the prompt's call
-    if req.drafter is not None:
-        req.drafter.observe(len(req.seq), verdict)
+    if ready is None:  # else the root is committed and no drafter proposed
+        req.cache.keep(rows)
+        if req.drafter is not None:
+            req.drafter.observe(len(req.seq), verdict)
     return verdict
-
-
-def scored(ready: Rows, out: Rows | None) -> Rows:
-    """The rows of [root] + tree when the root's were computed apart (`Request.ready`) and the tree's in `out`."""
-    if out is None:
-        return ready
-    both = ready.hidden is not None and out.hidden is not None
-    return Rows(torch.cat([ready.logits, out.logits]), torch.cat([ready.hidden, out.hidden]) if both else None)
 
 
 def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int]) -> tuple[list[Token], bool]:
