@@ -71,7 +71,7 @@ def test_the_prompts_last_call_scores_the_root(target, draft, k):
     if not k:
         assert ours_rows[1:] == [1] * 8 and rows[1:] == [1] * 9
     else:
-        assert rows[1] == ours_rows[1] == k + 1  # the first tree: the second step's with the root scored apart
+        assert rows[1] == ours_rows[1] == k + 1  # the first tree, [root] + k: the first step's, or the second's
         assert stats.steps[0].drafted == k
 
 

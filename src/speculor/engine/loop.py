@@ -65,10 +65,10 @@ class Stats:
 def check_prompt(prompt: list[int], cfg: SamplingConfig, target: Backend) -> None:
     if not prompt:
         raise SpeculorError("the prompt is empty")
-    if not all(isinstance(t, int) and 0 <= t < target.vocab_size for t in prompt):  # numpy's ints are not ints
-        bad = next(t for t in prompt if not (isinstance(t, int) and 0 <= t < target.vocab_size))
-        raise SpeculorError(f"the prompt holds {bad!r} ({type(bad).__name__}): token ids are ints in "
-                            f"[0, {target.vocab_size}) (a tokenizer's output object is not a list of ids)")
+    for t in prompt:  # numpy's ints are not ints
+        if not (isinstance(t, int) and 0 <= t < target.vocab_size):
+            raise SpeculorError(f"the prompt holds {t!r} ({type(t).__name__}): token ids are ints in "
+                                f"[0, {target.vocab_size}) (a tokenizer's output object is not a list of ids)")
     if len(prompt) + cfg.max_new_tokens > target.context_length:
         raise SpeculorError(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
