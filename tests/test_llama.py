@@ -6,6 +6,7 @@ distribution under sampling (chi-square through the engine); negative controls f
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from support.llama_rows import PARENTS, PATHS, PREFIX, PROMPT, TREE, alone, pref
 from speculor import SamplingConfig, Speculor, engine
 from speculor.engine import batch as batched_engine
 from speculor.errors import SpeculorError
-from speculor.runtime import llama, llama_fill
+from speculor.runtime import llama, llama_fill, openmp
 from speculor.runtime.backend import Block, forward1
 
 pytestmark = pytest.mark.integration
@@ -43,6 +44,16 @@ def test_tree_in_one_forward_equals_each_path_alone(draft):
     assert torch.equal(logits[0], alone(draft, PROMPT))
     for row, path in PATHS.items():
         assert torch.equal(logits[row], alone(draft, PROMPT + path)), path
+
+
+def test_a_thread_that_decoded_ends_its_openmp_team(draft):
+    """runtime/openmp.py: after release() the calling thread's team is gone (a thread fewer: its 2-thread team's
+    worker) and decoding makes it again with the same bits."""
+    before = alone(draft, PROMPT)  # this thread decodes: its team is made
+    tasks = len(os.listdir("/proc/self/task"))
+    assert openmp.release(), "llama.cpp's kernels here run on libgomp (OpenMP)"
+    assert len(os.listdir("/proc/self/task")) < tasks
+    assert torch.equal(alone(draft, PROMPT), before)
 
 
 def long_rows_alone(model) -> list[bool]:

@@ -60,6 +60,7 @@ from speculor import engine
 from speculor.api import Speculor
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
+from speculor.runtime import openmp
 from speculor.runtime.loading import Pair
 from speculor.serving.errors import APIError, bad_request, install_error_handlers
 from speculor.serving.formats import EventStream, Format, collect, sse_stream
@@ -322,11 +323,14 @@ def warm_up(pair: Pair) -> None:
     """Two greedy tokens after a 16-token prompt on the target and on a draft model, before the first request, as
     llama-server warms its model at start: the first request then does not pay the first calls' costs (weights
     paged in from the mapped file, llama.cpp's prompt context made, kernels set up). Nothing a request reads is
-    left: the caches are released, and the prompt memory keeps only the prompts the server fills in chunks."""
+    left: the caches are released, and the prompt memory keeps only the prompts the server fills in chunks. The
+    calling thread (it loaded and warmed the pair) then ends its OpenMP team: from here the scheduler's worker
+    decodes, at full speed only where no other thread's team waits beside its own (runtime/openmp.py)."""
     for model in (pair.target, pair.draft):
         if model is not None:
             for _ in engine.stream(model, None, list(range(16)), SamplingConfig(max_new_tokens=2)):
                 pass
+    openmp.release()
 
 
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str | None = None, queue_size: int = 64,

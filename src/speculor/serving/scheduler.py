@@ -35,6 +35,7 @@ from speculor.config import SamplingConfig, check_int
 from speculor.engine.batch import Active
 from speculor.engine.batch import step as batch_step
 from speculor.errors import SpeculorError
+from speculor.runtime import openmp
 from speculor.serving.errors import APIError, bad_request
 from speculor.serving.metrics import Metrics
 
@@ -156,7 +157,10 @@ class Scheduler:
 
         def locked() -> None:
             with self._models:
-                self.sp.strategy_for(name, **options)
+                try:
+                    self.sp.strategy_for(name, **options)
+                finally:  # a pool's thread that timed forwards keeps no OpenMP team beside the worker's
+                    openmp.release()
 
         await asyncio.to_thread(locked)
 
