@@ -17,7 +17,7 @@ from speculor import SamplingConfig, Speculor, engine
 from speculor.engine import batch as batched_engine
 from speculor.errors import SpeculorError
 from speculor.runtime import llama, llama_fill, openmp
-from speculor.runtime.backend import Block, forward1
+from speculor.runtime.backend import Block, Rows, forward1
 
 pytestmark = pytest.mark.integration
 
@@ -308,17 +308,19 @@ def test_a_request_keeps_its_bits_across_a_compaction_of_forgotten_cells(draft):
 
 def filled(ctx, tokens, chunk=32):
     """A cache holding `tokens`, filled in chunks as the server fills a prompt: the prompt memory's cells first,
-    then calls up to each multiple of `chunk` (engine/batch.py `_chunk`)."""
+    then calls up to each multiple of `chunk` (engine/batch.py `_chunk`); how many cells the memory lent, and the
+    last row's logits (the memory's where it lent them all)."""
     cache = ctx.new_cache()
-    j = lent = ctx.reuse(cache, tokens, chunk)
+    lent, ready = ctx.reuse(cache, tokens, chunk)
+    j = lent
     while j < len(tokens):
         grid = (j // chunk + 1) * chunk
         part = tokens[j:grid if len(tokens) - grid >= ctx.min_chunk else len(tokens)]
-        forward1(ctx, cache, part, last=True)
+        ready = Rows(forward1(ctx, cache, part, last=True).logits[-1:])
         cache.keep(list(range(len(part))))
         j += len(part)
-    ctx.remember(cache, tokens, chunk)
-    return cache, lent
+    ctx.remember(cache, tokens, chunk, ready)
+    return cache, lent, ready.logits[0]
 
 
 def steps_after(ctx, cache, root, n=6):
@@ -333,25 +335,28 @@ def steps_after(ctx, cache, root, n=6):
 def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monkeypatch):
     """The prompt memory lends a later prompt the cells of the whole chunks it shares with a kept one, and within
     the next chunk a multiple of 4 rows that leaves the chunk's rest a call of 8 rows or more (70 shared: 68; 30
-    shared: 24), never its last 8 rows (the same prompt: 92 of 100; 100 shared of 101: 92, not 96, which would leave a
-    5-row call); the request's next steps have the bits of a fresh context's.
+    shared: 24), never its last 8 rows (100 shared of 101: 92, not 96, which would leave a 5-row call) but to the
+    same prompt, which takes all 100 and its last row's logits; the last row's logits and the request's next steps
+    have the bits of a fresh context's.
     Negative control: 28 of 30 lent, the chunk's last 4 rows are a call of the vector kernels, and the steps differ."""
     first = (PROMPT * 12)[:101]
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
     filled(ctx, first[:-1])
-    cases = ((first, 92), (first + [3000], 92), (first[:70] + list(range(3000, 3031)), 68),
+    cases = ((first, 100), (first + [3000], 92), (first[:70] + list(range(3000, 3031)), 68),
              (first[:30] + list(range(3000, 3071)), 24), (list(range(500, 600)), 0))
     for prompt, lends in cases:
         fresh = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
-        cache, lent = filled(ctx, prompt[:-1])
+        cache, lent, last = filled(ctx, prompt[:-1])
         assert lent == lends
-        want = steps_after(fresh, filled(fresh, prompt[:-1])[0], prompt[-1])
+        fresh_cache, _, fresh_last = filled(fresh, prompt[:-1])
+        want = steps_after(fresh, fresh_cache, prompt[-1])
+        assert torch.equal(last, fresh_last)
         assert all(torch.equal(a, b) for a, b in zip(steps_after(ctx, cache, prompt[-1]), want, strict=True))
         if lends == 24:
             uncapped = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
             filled(uncapped, first[:-1])
             monkeypatch.setattr(llama_fill, "TILED", 4)
-            cache, lent = filled(uncapped, prompt[:-1])
+            cache, lent, _ = filled(uncapped, prompt[:-1])
             monkeypatch.undo()
             assert lent == 28
             assert not all(torch.equal(a, b) for a, b in zip(steps_after(uncapped, cache, prompt[-1]), want,
@@ -397,8 +402,8 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
     monkeypatch.setattr(ctx, "reuse", lambda *a: lent.append(reuse(*a)) or lent[-1])
     monkeypatch.setattr(ctx, "fill_rows", llama.N_BATCH)
     assert equal(chunked(other), first_steps(ctx, engine.start(ctx, None, other, cfg)))
-    assert equal(chunked(prompt), want)  # the same prompt again: all but its last call's rows lent
-    assert lent[0] == 24 and lent[1] == (n - 8) // 4 * 4
+    assert equal(chunked(prompt), want)  # the same prompt again: all its cells and its root's logits lent
+    assert [k for k, _ in lent] == [24, n] and lent[0][1] is None and lent[1][1] is not None
     monkeypatch.setattr(ctx, "fill_rows", 0)
     monkeypatch.setattr(ctx, "min_chunk", 1)
     ctx.prompts.clear()
@@ -504,15 +509,15 @@ def test_a_prompt_after_a_rewound_cache_is_copied_in_again(draft):
 
 def test_the_prompt_memory_keeps_no_cell_in_the_shared_memory(draft):
     """Kept prompts are bytes on the host: once their request ends no sequence holds a cell (every call would visit
-    them); the prompt is copied in for the next request that starts with it (all but its last call's 8 rows)."""
+    them); the prompt is copied in for the next request that starts with it (all of it for the same prompt)."""
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
     prompt = (PROMPT * 12)[:100]
-    cache, _ = filled(ctx, prompt)
+    cache, _, _ = filled(ctx, prompt)
     del cache
     ctx.release()
     assert all(ctx.L.llama_memory_seq_pos_max(ctx.mem, s) < 0 for s in range(llama.MAX_SEQ))
-    cache, lent = filled(ctx, prompt)
-    assert lent == 92 and ctx.L.llama_memory_seq_pos_max(ctx.mem, cache.base) == 99
+    cache, lent, _ = filled(ctx, prompt)
+    assert lent == 100 and ctx.L.llama_memory_seq_pos_max(ctx.mem, cache.base) == 99
 
 
 def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):

@@ -61,11 +61,15 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     of stopping them for its whole prefill; while none decodes, the fillers share the backend's `fill_rows` in
     whole chunks. The calls start and end on one grid whatever else is in the batch. A
     backend with a prompt memory (runtime/backend.py `PromptMemory`) lends a new prompt the cells of the chunks it
-    starts with, and keeps each prompt's once filled."""
+    starts with (the same prompt: all, and its root's result: it emits its first token at once), and keeps each
+    prompt's once filled."""
     memory = target if isinstance(target, PromptMemory) else None
     for a in batch:
         if memory and a.req.unfilled and a.req.cache.length == 0 and not reads_features(a.req):
-            a.req.unfilled -= memory.reuse(a.req.cache, _prompt(a.req), chunk)
+            lent, ready = memory.reuse(a.req.cache, _prompt(a.req), chunk)
+            a.req.unfilled -= lent
+            if ready is not None and a.req.fill == len(a.req.seq):  # the root's result, as the last call gave it
+                a.req.ready = ready
     filling = [a for a in batch if a.req.unfilled]
     decoding = [a for a in batch if not a.req.unfilled]
     # while none decodes, the fillers share the backend's fill_rows in whole chunks (calls on the grid all the same)
@@ -88,7 +92,7 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
         filled(a.req, out, len(chunks[id(a)]))
         a.req.stats.prefill_s += t2 - t1
         if memory and not a.req.unfilled:
-            memory.remember(a.req.cache, _prompt(a.req), chunk)
+            memory.remember(a.req.cache, _prompt(a.req), chunk, a.req.ready)
         emitted[id(a)] = []
     settled = [(a, tree, next(results) if b is not None else None, share if d else 0.0, t2 - t1)
                for a, tree, b, d in zip(decoding, trees, own, drafted, strict=True)]

@@ -153,11 +153,13 @@ class Pair:
 @runtime_checkable
 class PromptMemory(Protocol):
     """A backend that keeps the cells of the prompts it filled chunk by chunk and lends them to a later prompt that
-    starts with the same chunks (llama.cpp's shared memory): the same calls over the same tokens, so the same bits."""
+    starts with the same chunks (llama.cpp's shared memory): the same calls over the same tokens, so the same bits.
+    A prompt kept with its last call's result (`ready`: the root's, `root_in_prompt`) lends the same prompt all its
+    cells and that result: how many cells `reuse` lent, and the result where they are the whole prompt."""
 
-    def remember(self, cache: Cache, tokens: list[int], chunk: int) -> None: ...
+    def remember(self, cache: Cache, tokens: list[int], chunk: int, ready: Rows | None = None) -> None: ...
 
-    def reuse(self, cache: Cache, tokens: list[int], chunk: int) -> int: ...
+    def reuse(self, cache: Cache, tokens: list[int], chunk: int) -> tuple[int, Rows | None]: ...
 
 
 def forward1(backend: Backend, cache: Cache, tokens: torch.Tensor | list[int], parents: torch.Tensor | None = None,

@@ -43,8 +43,8 @@ starts with the same tokens has them copied in above every occupied cell instead
 the bits it would compute (`lendable`): its whole chunks, and within the next one a multiple of 4 rows that leaves
 it a call of at least fill.TILED rows (a prompt row's bits depend on its call through the 4-row blocks of the repacked
 kernels and whether the call takes ggml's tiled matmul, which needs fill.TILED rows; docs/algorithms.md §10.5.2),
-never its last fill.TILED rows (their call scores its last row). Kept out of the shared memory, they cost no call a
-visit.
+never its last fill.TILED rows (their call scores its last row) but to the same prompt, which takes every cell and
+the root's logits kept with them. Kept out of the shared memory, they cost no call a visit.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one 
 GRAVE = MAX_SEQ - 1  # holds the cells a request forgets, so that no later row fills a hole (module docstring)
 PADDING = MAX_SEQ - 2  # the pad rows' id (positions 0..2, alone); their cells go to the graveyard at once
 MAX_PROMPTS = 16  # prompts kept in the prompt memory (module docstring), in PROMPT_CELLS cells at most, oldest out
-PROMPT_CELLS = 4096  # (host memory: 22 KB a cell for the 1.5B target)
+PROMPT_CELLS = 4096  # (host memory: 22 KB a cell for the 1.5B target, 0.6 MB a prompt's root logits)
 RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
 
 def _silence(level, text, user_data):  # llama.cpp's log: printed by default, every load and every context
@@ -156,7 +156,7 @@ class LlamaModel:
         self.cells = self.size - RESERVE  # what live requests' contexts may hold together (a server admits by it)
         self.used = 0  # cells occupied, from cell 0 up without a hole: live requests' and the graveyard's
         self.caches: weakref.WeakSet[LlamaCache] = weakref.WeakSet()  # the live ones
-        self.prompts: dict[tuple[int, ...], fill.State] = {}  # the prompt memory: (chunk, *tokens) -> its cells' bytes
+        self.prompts: dict[tuple[int, ...], tuple[fill.State, Rows | None]] = {}  # (chunk, *tokens) -> cells, root
         self.hidden_size = L.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
@@ -234,20 +234,21 @@ class LlamaModel:
         self.used = self.live_cells()
         return had
 
-    def remember(self, cache: LlamaCache, tokens: list[int], chunk: int) -> None:
+    def remember(self, cache: LlamaCache, tokens: list[int], chunk: int, ready: Rows | None = None) -> None:
         """Keep the cells of a prompt just filled in chunks of `chunk` from position 0 (`tokens`, all in the cache):
-        their bytes, read out of the shared memory (module docstring)."""
+        their bytes, read out of the shared memory (module docstring), and its last call's result (`ready`)."""
         key = (chunk, *tokens)
         if key in self.prompts or not 0 < len(tokens) <= PROMPT_CELLS or cache.length != len(tokens) or cache.parents:
             return
         while self.prompts and (len(self.prompts) >= MAX_PROMPTS
                                 or self.prompt_cells() + len(tokens) > PROMPT_CELLS):
             del self.prompts[next(iter(self.prompts))]
-        self.prompts[key] = fill.parse(fill.state_of(self.L, self.ctx, cache.base))
+        self.prompts[key] = fill.parse(fill.state_of(self.L, self.ctx, cache.base)), ready
 
-    def reuse(self, cache: LlamaCache, tokens: list[int], chunk: int) -> int:
+    def reuse(self, cache: LlamaCache, tokens: list[int], chunk: int) -> tuple[int, Rows | None]:
         """Into an empty cache, the kept cells of the longest start of `tokens` that a prompt filled in the same
-        chunks may lend it (`lendable`); how many positions it now holds."""
+        chunks may lend it (`lendable`; the same prompt: all, with its last call's result); how many positions it
+        now holds, and that result where it holds them all."""
         best, src = 0, None
         for key in self.prompts:
             if key[0] != chunk:
@@ -255,14 +256,16 @@ class LlamaModel:
             kept = key[1:]
             same = next((i for i, (a, b) in enumerate(zip(kept, tokens, strict=False)) if a != b),
                         min(len(kept), len(tokens)))
-            if (lent := lendable(same, len(kept), len(tokens), chunk)) > best:
+            whole = kept == tuple(tokens) and self.prompts[key][1] is not None
+            if (lent := len(kept) if whole else lendable(same, len(kept), len(tokens), chunk)) > best:
                 best, src = lent, key
-        if src is not None:
-            assert cache.length == 0 and not cache.parents, "a prompt is lent to an empty cache"
-            self.prompts[src] = state = self.prompts.pop(src)  # the latest used, forgotten last
-            fill.copy_in(self, state, cache.base, 0, best)
-            cache.length = best
-        return best
+        if src is None:
+            return 0, None
+        assert cache.length == 0 and not cache.parents, "a prompt is lent to an empty cache"
+        self.prompts[src] = (state, ready) = self.prompts.pop(src)  # the latest used, forgotten last
+        fill.copy_in(self, state, cache.base, 0, best)
+        cache.length = best
+        return best, Rows(ready.logits.clone()) if ready is not None and best == len(tokens) else None
 
     def live_cells(self) -> int:
         return sum(c.length + len(c.parents) for c in self.caches)
