@@ -87,9 +87,12 @@ def test_the_tree_of_a_hand_built_sequence():
     assert c.match == 2
     assert c.tokens == [3, 4, 1, 5, 1, 2, 1, 2, 4, 2]
     assert c.parents == [-1, -1, 0, 0, 1, 2, 3, 4, 5, 6]
-    assert c.probs == pytest.approx([0.5] + [0.25] * 9) and c.score == pytest.approx(2.75)
+    # over the 3 followed occurrences of 1 2 (the last, the context's own, has no continuation yet): P(3) = 2/3,
+    # P(4) = 1/3; 1 2 3 was followed by 1 and 5 (1/2 each), every deeper string by one token
+    assert c.probs == pytest.approx([2 / 3] + [1 / 3] * 9) and c.score == pytest.approx(11 / 3)
+    assert len(trie.propose(seq, 20, 0.05).tokens) == 11  # down to depth 6: 4 levels under the match
     assert trie.propose(seq, 3, 0.05).tokens == [3, 4, 1]  # the budget keeps the best-first prefix
-    assert trie.propose(seq, 10, 0.3).tokens == [3]  # min_prob: P(4) = P(3 1) = 0.25 are left out
+    assert trie.propose(seq, 10, 0.4).tokens == [3]  # min_prob: P(4) = P(3 1) = 1/3 are left out
     assert trie.propose([1, 2, 3, 4, 6], 10, 0.05).match == 0  # 4 6 and 6 were never followed
 
 
@@ -301,7 +304,7 @@ def test_the_last_step_of_a_request_reaches_the_shared_trie():
 SIZES = tuple(range(1, 17))
 FLAT = CostModel(SIZES, tuple(0.5 + 0.01 * n for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
 STEEP = CostModel(SIZES, tuple(0.05 * (1 + 0.6 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
-MID = CostModel(SIZES, tuple(0.05 * (1 + 0.2 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
+GENTLE = CostModel(SIZES, tuple(0.05 * (1 + 0.15 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
 
 
 def step(drafter: SuffixDrafter, seq: list[int], accept: bool) -> int:
@@ -316,15 +319,20 @@ def step(drafter: SuffixDrafter, seq: list[int], accept: bool) -> int:
 
 
 def test_auto_cuts_to_what_the_curve_pays_and_learns():
-    once = list(range(10, 20)) + [10, 11]  # 10 11 followed once before: P = 1/2 for each of the 10 tokens after
-    twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # 10 11 -> 12 13 twice: P = 2/3; then 1/3 each
+    once = list(range(10, 20)) + [10, 11]  # 10 11 followed once before: P = 1 for each of the 10 tokens after
+    half = [10, 11, 12, 1, 10, 11, 13, 2, 10, 11]  # 10 11 -> 12 once, -> 13 once: P = 1/2 each
+    twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # 10 11 -> 12 13 twice: P = 1; then 1/2 each
     auto = SuffixOptions(budget="auto", shared=False)
     assert step(SuffixDrafter(auto, cost=FLAT), once, True) == 10  # rows nearly free: all the continuation
-    assert step(SuffixDrafter(auto, cost=STEEP), once, True) == 0  # (1 + 1/2) / t(2) < 1 / t(1)
-    assert step(SuffixDrafter(auto, cost=STEEP), twice, True) == 2  # 12 13 pay, the 1/3 ones do not
-    learner = SuffixDrafter(auto, cost=MID)
-    sizes = [step(learner, twice, True) for _ in range(4)]
-    assert sizes[-1] > sizes[0] and learner.trust.of(2) > 1  # every token accepted: the counts understate
+    assert step(SuffixDrafter(auto, cost=STEEP), once, True) == 10  # P = 1: every row pays, even at 0.6 t(1)
+    assert step(SuffixDrafter(auto, cost=STEEP), half, True) == 0  # (1 + 1/2) / t(2) < 1 / t(1)
+    assert step(SuffixDrafter(auto, cost=STEEP), twice, True) == 2  # 12 13 pay, the 1/2 ones do not
+    # 10 11 -> 12 20 21 22 twice (P = 2/3), -> 13 30 31 once (1/3): the 1/3 nodes just do not pay at t(n) = 1 + 0.15
+    # (n - 1), until every drafted token is accepted and the counts are seen to understate (trust > 1)
+    uneven = [10, 11, 12, 20, 21, 22, 1, 10, 11, 12, 20, 21, 22, 2, 10, 11, 13, 30, 31, 3, 10, 11]
+    learner = SuffixDrafter(auto, cost=GENTLE)
+    sizes = [step(learner, uneven, True) for _ in range(4)]
+    assert sizes[0] == 4 and sizes[-1] > sizes[0] and learner.trust.of(2) > 1
     failing = SuffixDrafter(auto, cost=STEEP)
     tried = [step(failing, twice, False) for _ in range(3000)]
     assert tried[:2] == [2, 0] and failing.trust.of(2) < 1  # rejected: it stops drafting
@@ -337,7 +345,7 @@ def test_auto_cuts_to_what_the_curve_pays_and_learns():
 def test_trust_is_learned_per_match_length_and_shared_by_the_strategy_s_requests():
     strategy = SuffixStrategy(SuffixOptions(budget="auto", shared=False), cost=STEEP)
     twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # match of 2 tokens
-    long = [7, 8, 9, 10, 11, 12, 13, 1, 7, 8, 9, 10, 11, 12, 13, 2, 7, 8, 9, 10, 11, 12]  # 6-token match, P 2/3
+    long = [7, 8, 9, 10, 11, 12, 13, 1, 7, 8, 9, 10, 11, 12, 13, 2, 7, 8, 9, 10, 11, 12]  # 6-token match, P 1
     first = strategy.drafter()
     assert [step(first, twice, False) for _ in range(2)] == [2, 0]
     assert step(strategy.drafter(), twice, False) == 0  # a later request starts from what the first learned

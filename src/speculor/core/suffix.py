@@ -8,9 +8,11 @@ Python: no torch, no model.
     match      the longest tail s of the context with |s| <= D // 2 whose node has children, i.e. s was followed by
                something before. Having children is monotone in |s| (if s·x occurs, so does s[1:]·x): a binary
                search finds it. The cap leaves at least D - D // 2 tokens of continuation below every match.
-    P(u)       for a node u below the match m, the empirical probability of its path:
-               P(u) = Π count(child) / count(parent) along m -> u. count(m) includes the context's own occurrence,
-               which has no continuation yet.
+    P(u)       for a node u below the match m, the empirical probability of its path over the occurrences that
+               were followed: P(u) = Π count(child) / followed(parent) along m -> u, followed(v) = Σ count of v's
+               children (count(v) less the occurrences that end there: the context's own, unfinished one). A
+               continuation seen once after every earlier occurrence is P = 1 (Arctic Inference divides by count(v),
+               1/2 there; here the cost curve prices each node by P, and the match-length trust corrects it).
     draft      best-first by P: at most `budget` nodes, each with P >= min_prob. P never rises along a path, so a
                node's parent is always taken before it and every prefix of the order is a tree.
 
@@ -66,6 +68,10 @@ class _Node:
             self.tok, self.one = -1, None
         if not self.more:
             self.more = None
+
+    def followed(self) -> int:
+        """Occurrences followed by a token: the children's counts."""
+        return sum(c.count for _, c in self.kids())
 
     def kids(self) -> list[tuple[int, _Node]]:
         """(token, child) of every child, the first child first."""
@@ -167,7 +173,7 @@ class SuffixTrie:
             return NOTHING
         tokens, parents, probs = [], [], []
         order = itertools.count()  # ties: the earlier pushed (shallower, first seen) first
-        heap = [(-c.count / node.count, next(order), -1, t, c) for t, c in node.kids()]
+        heap = [(-c.count / node.followed(), next(order), -1, t, c) for t, c in node.kids()]
         heap = [h for h in heap if -h[0] >= min_prob]
         heapq.heapify(heap)
         while heap and len(tokens) < budget:
@@ -176,8 +182,10 @@ class SuffixTrie:
             tokens.append(t)
             parents.append(parent)
             probs.append(-neg)
-            for t2, c2 in child.kids():
-                p = -neg * c2.count / child.count
+            kids = child.kids()
+            followed = sum(c2.count for _, c2 in kids)
+            for t2, c2 in kids:
+                p = -neg * c2.count / followed
                 if p >= min_prob:
                     heapq.heappush(heap, (-p, next(order), i, t2, c2))
         return Candidate(tokens, parents, probs, length)
