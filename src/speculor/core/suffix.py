@@ -182,9 +182,8 @@ class SuffixTrie:
             tokens.append(t)
             parents.append(parent)
             probs.append(-neg)
-            kids = child.kids()
-            followed = sum(c2.count for _, c2 in kids)
-            for t2, c2 in kids:
+            followed = child.followed()
+            for t2, c2 in child.kids():
                 p = -neg * c2.count / followed
                 if p >= min_prob:
                     heapq.heappush(heap, (-p, next(order), i, t2, c2))

@@ -256,7 +256,7 @@ class LlamaModel:
             kept = key[1:]
             same = next((i for i, (a, b) in enumerate(zip(kept, tokens, strict=False)) if a != b),
                         min(len(kept), len(tokens)))
-            whole = kept == tuple(tokens) and self.prompts[key][1] is not None
+            whole = same == len(kept) == len(tokens) and self.prompts[key][1] is not None  # the same prompt
             if (lent := len(kept) if whole else lendable(same, len(kept), len(tokens), chunk)) > best:
                 best, src = lent, key
         if src is None:
