@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support.batch import run_batch
 from support.stats import goodness_of_fit
 from support.toy import N, V, exact_law, plain_greedy, random_toy
 
@@ -21,6 +22,7 @@ from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.suffix import SuffixCache, SuffixTrie
 from speculor.core.verify import Verdict
+from speculor.drafters.base import BatchLedger
 from speculor.drafters.registry import make_strategy, options_of
 from speculor.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixStrategy
 from speculor.engine.drafting import drive
@@ -358,6 +360,30 @@ def test_trust_is_learned_per_match_length_and_shared_by_the_strategy_s_requests
     assert strategy.trust.of(2) == 1  # a bench round starts afresh
 
 
+def test_in_a_batch_auto_prices_the_batch_s_step():
+    """In a batch the cut is the batch step's (core/goodput.best_prefix): 1/2 nodes that pay alone on the gentle
+    curve do not beside 15 requests decoding plainly, nothing drafts beside a prompt chunk, an empty ledger is the
+    single-request rule, and a cut made for the load leaves what was learned after the match as it was."""
+    half = [10, 11, 12, 1, 10, 11, 13, 2, 10, 11]  # 10 11 -> 12 once, -> 13 once: P = 1/2 each
+    d = SuffixDrafter(SuffixOptions(budget="auto", shared=False), cost=GENTLE)
+    assert d.batch_aware and step(d, half, True) >= 2  # (1 + 1/2 + ...) / t(n + 1) > 1 / t(1); its first path taken
+    learned = d.trust.of(2)
+    assert learned > 1
+    d.ledger = BatchLedger(rows=15, tokens=15.0)
+    assert step(d, half, True) == 0 and d.trust.of(2) == learned  # (16 + v) / t(17) < 16 / t(16): not faded
+    d.ledger = BatchLedger(filling=True)
+    assert step(d, half, True) == 0
+    d.ledger = BatchLedger()
+    assert step(d, half, True) == step(SuffixDrafter(d.opts, cost=GENTLE, trust=d.trust), half, True) > 0
+    # through the batched engine: 8 greedy requests that copy, each its plain greedy output
+    target = random_toy(16, seed=3)
+    strategy = SuffixStrategy(SuffixOptions(budget="auto"), cost=GENTLE)
+    prompts = [REPETITIVE[i:] for i in range(8)]
+    cfg = SamplingConfig(max_new_tokens=20)
+    got = run_batch(Model(target), [strategy.drafter] * 8, prompts, [cfg] * 8)
+    assert got == [plain_greedy(target, p, 20) for p in prompts]
+
+
 # ---------------------------------------------------------------- the strategy and its options
 
 
@@ -437,7 +463,6 @@ def test_the_hybrids_exact_law(target, draft):
 
 
 def test_the_hybrid_in_a_batch_equals_alone(target, draft):
-    from support.batch import run_batch
 
     strategy = hybrid(draft)
     prompts = [REPETITIVE, [0], [5, 4, 3, 2]]

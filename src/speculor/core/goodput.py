@@ -30,13 +30,20 @@ def rate(cost: Costs, tokens: float, rows: int, draft_s: float = 0.0) -> float:
     return tokens / (draft_s + cost.t_target(rows))
 
 
-def best_prefix(cost: Costs, values: Iterable[float]) -> int:
+def best_prefix(cost: Costs, values: Iterable[float], batch: object | None = None) -> int:
     """How many of a best-first list of draft tokens to verify, each worth `values[i]` expected tokens (its chance of
-    acceptance): the n with the highest rate (1 + Σ_{i<n} v_i) / t_target(n + 1), 0 = none (ties: the longer)."""
-    best, tokens = (1.0 / cost.t_target(1), 0), 1.0
+    acceptance): the n with the highest rate (1 + Σ_{i<n} v_i) / t_target(n + 1), 0 = none (ties: the longer).
+    In a batch (a `BatchLedger`) the step is the batch's: the others' tokens T_o, rows R_o and draft seconds D_o
+    join every n's rate, (T_o + 1 + Σ_{i<n} v_i) / (D_o + t_target(R_o + n + 1)), so a row must pay for the whole
+    batch's forward growing; nothing beside a prompt chunk (its request waits for the step)."""
+    if batch is not None and batch.filling:
+        return 0
+    t_o, r_o, d_o = others(batch, cost)
+    tokens = t_o + 1.0
+    best = (rate(cost, tokens, r_o + 1, d_o), 0)
     for n, v in enumerate(values, 1):
         tokens += v
-        best = max(best, (tokens / cost.t_target(n + 1), n))
+        best = max(best, (rate(cost, tokens, r_o + n + 1, d_o), n))
     return best[1]
 
 

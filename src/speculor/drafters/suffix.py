@@ -17,6 +17,9 @@ Tree size:
 
                         rate(n) = (1 + Σ_{i<n} v_i) / t_target(n + 1)        v_i = min(1, trust(m) · P(u_i))
 
+                    and in a batch the batch's step: its other requests' tokens and rows join both sides
+                    (core/goodput.py `best_prefix`), so under load a row must pay for the whole call it grows
+
                     trust(m) = (accepted + PRIOR) / (Σ v drafted + PRIOR) over earlier drafts after a match whose
                     length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the target
                     accepts (1 until something was verified). Learned online by the strategy, across its requests
@@ -147,7 +150,7 @@ class SuffixDrafter(BatchAware):
     def __init__(self, opts: SuffixOptions | None = None, cache: SuffixCache | None = None,
                  cost: Costs | None = None, fallback: Drafter | None = None, trust: Trust | None = None) -> None:
         self.opts, self.cache, self.cost, self.fallback = opts or SuffixOptions(), cache, cost, fallback
-        self.batch_aware = fallback is not None and fallback.batch_aware  # the batch sees the fallback's bids
+        self.batch_aware = cost is not None or (fallback is not None and fallback.batch_aware)  # sized for the batch
         self.shared_trust = trust or Trust()  # budget "auto": the strategy's (a seeded request's own: `reset`)
         self.reset()
 
@@ -170,7 +173,8 @@ class SuffixDrafter(BatchAware):
         trust = self.trust.of(best.match)
         values = [min(1.0, trust * p) for p in best.probs] if self.cost is not None else best.probs
         n = self._cut(values) if self.cost is not None else len(values)
-        if values and n == 0:  # a match not tried: what was learned after its length fades
+        if values and n == 0 and (self.ledger is None or self._cut(values, alone=True) == 0):
+            # a match not tried for its own values (not for the batch's load): what was learned after it fades
             self.trust.fade(best.match)
         self.candidate = Candidate(best.tokens[:n], best.parents[:n], best.probs[:n], best.match if n else 0)
         self.values, self.tokens = values[:n], list(self.candidate.tokens)
@@ -181,7 +185,7 @@ class SuffixDrafter(BatchAware):
         if self.asked:  # nothing free worth its rows: the priced draft, if it pays (module docstring)
             return (yield from self._ask_fallback(seq, cfg, generator))
         self.estimate = (1 + n, self.expected_tokens)
-        if self.ledger is not None:  # a batch-aware fallback's batch: its bids see this tree
+        if self.ledger is not None:  # the requests after it in the batch see this tree
             self.ledger.publish(*self.estimate)
         if n == 0:
             return EMPTY
@@ -197,9 +201,10 @@ class SuffixDrafter(BatchAware):
         self.stats |= {"fallback": 1.0, **{f"fallback_{k}": v for k, v in (fb.stats or {}).items()}}
         return tree
 
-    def _cut(self, values: list[float]) -> int:
-        """The number of best-first nodes with the highest expected rate (module docstring), 0 = none."""
-        return best_prefix(self.cost, values)
+    def _cut(self, values: list[float], alone: bool = False) -> int:
+        """The number of best-first nodes with the highest expected rate (module docstring), 0 = none: for the
+        batch's step where it runs in one (`ledger`), unless `alone`."""
+        return best_prefix(self.cost, values, None if alone else self.ledger)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.asked:
