@@ -8,6 +8,7 @@ import pytest
 
 from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
+from speculor.drafters.base import BatchLedger
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.ngram import NgramDrafter
 from speculor.engine.drafting import drive
@@ -60,6 +61,22 @@ def test_ngram_cuts_to_what_the_curve_pays_and_learns():
     tried = [step(failing, seq, 0) for _ in range(30)]
     assert tried[1] == 0  # rejected: it stops drafting at this match length
     assert sum(t > 0 for t in tried) >= 2  # ... and tries again once its counts have faded
+
+
+def test_ngram_in_a_batch_prices_the_batch_s_step():
+    """Beside 15 requests decoding plainly a copy that pays alone does not (what was learned is not faded by that),
+    nothing is copied beside a prompt chunk, and an empty ledger is the single-request rule."""
+    seq = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6, 7]
+    d = NgramDrafter(k=8, cost=STEEP)
+    assert d.batch_aware and not NgramDrafter(k=8).batch_aware
+    alone = step(d, seq, 8)
+    learned = (d.reached[3], d.accepted[3])
+    d.ledger = BatchLedger(rows=15, tokens=15.0)
+    assert 1 <= alone and step(d, seq, 0) == 0 and (d.reached[3], d.accepted[3]) == learned
+    d.ledger = BatchLedger(filling=True)
+    assert step(d, seq, 0) == 0
+    d.ledger = BatchLedger()
+    assert step(d, seq, 8) > 0 and d.expected_tokens > 1
 
 
 def test_auto_says_what_it_chose_and_measures_nothing_where_only_torch_runs(monkeypatch, capsys):

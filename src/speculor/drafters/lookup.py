@@ -8,8 +8,9 @@ expected rate, j = 0 (plain decoding) included, under the acceptance measured so
 
 a is a Beta(1.4, 0.6) estimate (prior mean 0.7) from the copied tokens that reached verification, kept apart per
 length of the matched n-gram (a 3-gram's copy is far likelier right than a 1-gram's); its counts decay by DECAY at
-every step it is not tried, so a length given up on is tried again later. On a flat curve (fp32 torch) the whole
-continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do."""
+every step it is not tried for its own acceptance, so a length given up on is tried again later. On a flat curve
+(fp32 torch) the whole continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do. In a batch the
+rate is the batch step's (core/goodput.best_prefix: the other requests' tokens and rows join both sides)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from speculor.config import SamplingConfig, check_int
 from speculor.core.goodput import Costs, best_prefix
 from speculor.core.tree import DraftTree, merge
 from speculor.core.verify import Verdict
-from speculor.drafters.base import Drafter, Proposal
+from speculor.drafters.base import BatchAware, BatchLedger, Proposal
 
 
 def ngram_continuations(seq: Sequence[int], n_max: int, k: int, branches: int) -> list[list[int]]:
@@ -49,10 +50,11 @@ PRIOR = (1.4, 0.6)  # Beta prior of a depth's acceptance (mean 0.7): the first t
 DECAY = 0.9  # counts of a matched length kept at each step it is not tried
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(BatchAware):
     """Model-free prompt lookup: the continuations of `ngram_continuations`, merged by prefix into a tree of
     deterministic drafts (point-mass rule; greedy matching at temperature 0). Zero draft forwards. With a cost
-    curve, continuations cut to the length that pays (module docstring)."""
+    curve, continuations cut to the length that pays (module docstring), for the batch's step where it runs in one
+    (`ledger`: core/goodput.best_prefix)."""
 
     def __init__(self, k: int = 8, n: int = 3, branches: int = 1, cost: Costs | None = None) -> None:
         for name, value, top in (("k", k, 64), ("n", n, 16), ("branches", branches, 16)):
@@ -61,26 +63,38 @@ class NgramDrafter(Drafter):
         # auto: per matched length m, copied tokens that reached verification and tokens accepted
         self.reached, self.accepted = [0.0] * (n + 1), [0.0] * (n + 1)
         self.cut, self.m = k, 0
+        self.batch_aware = cost is not None
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         found = matches(seq, self.n, self.k, self.branches)
         conts = [c for _, c in found]
         if self.cost is not None:
             self.m = found[0][0] if found else 0
-            self.cut = self._best_cut(max(len(c) for c in conts)) if conts else 0
+            longest = max((len(c) for c in conts), default=0)
+            self.cut = self._best_cut(longest, self.ledger)
             conts = [c[:self.cut] for c in conts if self.cut]
-            if not self.cut and self.m:  # not tried: what was learned at this length fades
+            if not self.cut and self.m and (self.ledger is None or not self._best_cut(longest)):
+                # not tried for its own acceptance (not for the batch's load): what was learned at this length fades
                 self.reached[self.m] *= DECAY
                 self.accepted[self.m] *= DECAY
         chains = [DraftTree.chain(c, draw="point") for c in conts]
         self.stats = {"cut": self.cut} if self.cost is not None else None
-        return merge(chains).tree
+        tree = merge(chains).tree
+        self.expected_tokens = 1.0 + sum(self._a() ** j for j in range(1, self.cut + 1)) if conts and self.cost else 1.0
+        self.estimate = (1 + len(tree), self.expected_tokens)
+        if self.ledger is not None:  # the requests after it in the batch see this tree
+            self.ledger.publish(*self.estimate)
+        return tree
         yield  # asks for nothing
 
-    def _best_cut(self, longest: int) -> int:
-        """The continuation length with the best expected rate (module docstring), 0 = none."""
-        a = (self.accepted[self.m] + PRIOR[0]) / (self.reached[self.m] + sum(PRIOR))
-        return best_prefix(self.cost, (a**j for j in range(1, longest + 1)))
+    def _a(self) -> float:
+        """The acceptance estimate after a match of length m (module docstring)."""
+        return (self.accepted[self.m] + PRIOR[0]) / (self.reached[self.m] + sum(PRIOR))
+
+    def _best_cut(self, longest: int, batch: BatchLedger | None = None) -> int:
+        """The continuation length with the best expected rate (module docstring), 0 = none; a step's of `batch`."""
+        a = self._a()
+        return best_prefix(self.cost, (a**j for j in range(1, longest + 1)), batch)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.cost is None:
