@@ -131,6 +131,23 @@ def test_rows_beside_other_requests_equal_the_rows_alone(draft):
     assert torch.equal(rb.logits[2], alone(draft, PROMPT[3:] + [300], prefix=PREFIX - 3))
 
 
+def test_tree_blocks_fill_every_call_and_keep_their_rows_alone(draft, monkeypatch):
+    """Blocks of 1, 3, 1 and 3 rows take 3 calls, not 4: a block continues in the next call where the last one has
+    room left (ancestors first), and every row keeps its one-row bits."""
+    caches = [prefilled(draft, PROMPT[k:-1]) for k in range(4)]
+    decode, calls = draft._decode, []
+    monkeypatch.setattr(draft, "_decode", lambda call, *a: (calls.append(sum(len(r) for _, r, _ in call)),
+                                                            decode(call, *a))[1])
+    out = draft.forward([Block(caches[0], [PROMPT[-1]]),
+                         Block(caches[1], [PROMPT[-1], 200, 300], torch.tensor([-1, 0, 0])),
+                         Block(caches[2], [PROMPT[-1]]),
+                         Block(caches[3], [PROMPT[-1], 100, 400], torch.tensor([-1, 0, 1]))])
+    assert calls == [3, 3, 2]
+    assert torch.equal(out[1].logits[2], alone(draft, PROMPT[1:] + [300], prefix=PREFIX - 1))
+    assert torch.equal(out[2].logits[0], alone(draft, PROMPT[2:], prefix=PREFIX - 2))
+    assert torch.equal(out[3].logits[2], alone(draft, PROMPT[3:] + [100, 400], prefix=PREFIX - 3))
+
+
 def test_trim_of_a_chain_keeps_its_first_rows(draft):
     cache = prefilled(draft, PROMPT[:-1])
     forward1(draft, cache, [PROMPT[-1], 100, 200])  # a chain of at most EXACT_ROWS rows: one-row bits

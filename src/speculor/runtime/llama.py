@@ -286,10 +286,9 @@ class LlamaModel:
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
         """Per block its `Rows`: logits [n, V] (fp32, host), or [1, V] with `last`; with `hidden` the hidden states
-        of the same rows. Short blocks packed into calls of at most EXACT_ROWS rows, a longer one in calls of its own
-        (module docstring): `apart` holds always. With calls="padded", every block's rows packed into calls of up
-        to N_UBATCH rows, each padded (`pad`); with "batched", into calls of up to N_BATCH rows, as llama.cpp
-        batches."""
+        of the same rows. Tree blocks' rows packed in order into calls of EXACT_ROWS rows (a block across two where it
+        fills one), a prompt in calls of its own (module docstring): `apart` holds always. calls="padded": calls of up
+        to N_UBATCH rows, each padded (`pad`); "batched": of up to N_BATCH rows, as llama.cpp batches."""
         self.release()
         self.make_room(blocks)
         calls: list[list[tuple[int, list, list[bool]]]] = [[]]
@@ -305,11 +304,14 @@ class LlamaModel:
                 calls += [[(i, rows[r.start:r.stop], want[r.start:r.stop])] for r in fill.parts(len(rows), chunk)]
                 calls.append([])
                 continue
-            for j in range(0, len(rows), limit):  # a tree: `limit` rows a call at most, ancestors first
-                part = (i, rows[j:j + limit], want[j:j + limit])
-                if sum(len(r) for _, r, _ in calls[-1]) + len(part[1]) > limit:
+            j = 0
+            while j < len(rows):  # a tree: ancestors first, each call filled to `limit` rows (a row's bits are its own)
+                room = limit - sum(len(r) for _, r, _ in calls[-1])
+                if room == 0:
                     calls.append([])
-                calls[-1].append(part)
+                    continue
+                calls[-1].append((i, rows[j:j + room], want[j:j + room]))
+                j += room
         out: list[list[np.ndarray]] = [[] for _ in blocks]
         hidden: list[list[np.ndarray]] = [[] for _ in blocks]
         for i, rows, want in side:
