@@ -111,11 +111,11 @@ def test_an_option_the_strategy_does_not_take_is_refused(command, argv, message,
 
 @pytest.mark.parametrize("command, argv, message", [
     (["generate", "--prompt", "hi"], ["--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),
-    (["serve"], ["--k", "3"], "strategy 'dyspec' takes no option 'k' (its options: variant, budget, threshold, "
-                              "depth, temperature, batch)"),
+    (["serve"], ["--k", "3"], "strategy 'suffix' takes no option 'k' (its options: budget, max_depth, min_prob, "
+                              "shared, max_tokens, fallback)"),
 ])
 def test_the_default_strategy_refuses_what_it_does_not_take(command, argv, message, no_pair, capsys) -> None:
-    """generate's default strategy is chain; serve's is the batch-aware dyspec (budget auto)."""
+    """generate's default strategy is chain; serve's is suffix with dyspec's fallback, both batch-aware."""
     assert cli.main(command + argv) == 2
     assert message in capsys.readouterr().err
 
@@ -143,14 +143,16 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
     served = []
     fake = types.ModuleType("speculor.serving.app")
     fake.serve = lambda pair, **kw: served.append((pair, kw))
-    fake.DEFAULT_STRATEGY = ("dyspec", {"budget": "auto"})
+    fake.DEFAULT_STRATEGY = ("suffix", {"budget": "auto", "fallback": "dyspec"})
+    fake.default_options = lambda p: dict(fake.DEFAULT_STRATEGY[1])
     monkeypatch.setitem(sys.modules, "speculor.serving.app", fake)
     assert cli.main(["serve", "--strategy", "topk-tree", "--k", "3", "--budget", "12", "--port", "1"]) == 0
-    assert cli.main(["serve", "--depth", "4", "--max-batch", "16"]) == 0  # the default: dyspec, budget auto
+    assert cli.main(["serve", "--budget", "4", "--max-batch", "16"]) == 0  # the default: suffix, dyspec's fallback
+    assert cli.main(["serve", "--depth", "4"]) == 2  # not an option of the default strategy
     assert served == [(pair, {"host": "127.0.0.1", "port": 1, "strategy": "topk-tree", "queue_size": 64,
                                 "max_batch": 16, "k": 3, "budget": 12}),
-                      (pair, {"host": "127.0.0.1", "port": 8000, "strategy": "dyspec", "queue_size": 64,
-                                "max_batch": 16, "budget": "auto", "depth": 4})]
+                      (pair, {"host": "127.0.0.1", "port": 8000, "strategy": "suffix", "queue_size": 64,
+                                "max_batch": 16, "budget": 4, "fallback": "dyspec"})]
 
 
 @pytest.mark.parametrize("strategies, message", [
@@ -320,3 +322,12 @@ def test_generate_takes_the_servers_sampling_fields(monkeypatch, capsys) -> None
     assert changed == sp.generate(sp.encode("The quick brown fox"), cfg).token_ids
     assert cli.main(base + ["--logit-bias", "x=1"]) == 2
     assert "--logit-bias takes ID=BIAS" in capsys.readouterr().err
+
+
+def test_the_server_default_has_no_fallback_without_a_draft() -> None:
+    """suffix's fallback is a draft model's tree: a pair without a draft model serves suffix alone."""
+    from speculor.serving.app import DEFAULT_STRATEGY, default_options
+
+    assert DEFAULT_STRATEGY[0] == "suffix" and default_options(types.SimpleNamespace(draft=object())) == {
+        "budget": "auto", "fallback": "dyspec"}
+    assert default_options(types.SimpleNamespace(draft=None)) == {"budget": "auto"}

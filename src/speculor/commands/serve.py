@@ -11,7 +11,7 @@ from speculor.errors import SpeculorError
 
 
 def run(args: Args) -> None:
-    from speculor.serving.app import DEFAULT_STRATEGY, serve
+    from speculor.serving.app import DEFAULT_STRATEGY, default_options, serve
 
     given = [name for name in RAY_ARGS if getattr(args, name, None) is not None]
     if given and not (args.ray or args.ray_address):
@@ -24,7 +24,7 @@ def run(args: Args) -> None:
         return on_ray(args, None if default else args.strategy, options, given)
     pair = commands.load(args)
     if default and pair.draft_tokenizer is None:
-        options = {**DEFAULT_STRATEGY[1], **options}
+        options = {**default_options(pair), **options}
     elif default:  # a draft with another tokenizer: create_app's own default (chain through text)
         args.strategy = None
     serve(pair, host=args.host, port=args.port, strategy=args.strategy, queue_size=args.queue_size,
