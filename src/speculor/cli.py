@@ -80,7 +80,7 @@ def _add_strategy_args(p: argparse.ArgumentParser, default: str | None = "chain"
                              "giving one that the chosen strategy does not take is an error. Not given: the "
                              "strategy's own default.")
     g.add_argument("--strategy", default=default, help=f"one of {', '.join(STRATEGIES)} (default: "
-                   f"{default or 'dyspec with --budget auto, sized for the running batch'})")
+                   f"{default or 'suffix with --budget auto and dyspec as its fallback, sized for the running batch'})")
 
     def opt(flag: str, what: str, **kw) -> None:
         taken = ", ".join(TAKEN_BY[flag.lstrip("-").replace("-", "_")])
