@@ -18,7 +18,8 @@ Tree size:
                         rate(n) = (1 + Σ_{i<n} v_i) / t_target(n + 1)        v_i = min(1, trust(m) · P(u_i))
 
                     and in a batch the batch's step: its other requests' tokens and rows join both sides
-                    (core/goodput.py `best_prefix`), so under load a row must pay for the whole call it grows
+                    (core/goodput.py `best_prefix`), so under load a row must pay for the whole call it grows, and
+                    beside other rows the best cut must beat the plain step by MARGIN (the model's error band)
 
                     trust(m) = (accepted + PRIOR) / (Σ v drafted + PRIOR) over earlier drafts after a match whose
                     length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the target
