@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,15 @@ def test_series_sends_no_strategy_for_the_servers_default(monkeypatch) -> None:
     rows, first = loadtest.series("u", ["p"], [1], "default,plain", requests=1, max_tokens=4, reference=False)
     assert asked == [None, {"strategy": "plain"}]
     assert [r["strategy"] for r in rows] == ["default", "plain"] and first == {"p": "first"}
+
+
+def test_several_series_say_that_they_share_the_servers_prompt_memory(monkeypatch, capsys) -> None:
+    from speculor.commands import loadtest as command
+
+    monkeypatch.setattr(loadtest, "series", lambda *a, **k: ([], {}))
+    monkeypatch.setattr(loadtest, "peak_memory_gib", lambda url: None)
+    monkeypatch.setattr(loadtest, "format_rows", lambda rows: "table")
+    for strategies, said in (("default,plain", True), ("plain", False), (None, False)):
+        command.run(Namespace(clients="1", threads=None, peer=None, sets="mtbench", limit=1, requests=1,
+                              max_tokens=4, url="u", strategy=strategies, reference=False, out=None))
+        assert ("prompt memory" in capsys.readouterr().err) == said

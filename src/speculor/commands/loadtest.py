@@ -27,6 +27,10 @@ def run(args: Args) -> None:
     kw = dict(requests=args.requests, max_tokens=args.max_tokens)
     rows, ours = loadtest.series(args.url, texts, clients, args.strategy, reference=args.reference or bool(args.peer),
                                  **kw)
+    if args.strategy and "," in args.strategy:
+        print("note: the series ran one after another on one server: from the second on, its prompts were already "
+              "in the server's prompt memory (their one-by-one TTFT is no fresh prefill); a server per series "
+              "compares prefill", file=sys.stderr)
     peak = loadtest.peak_memory_gib(args.url)  # after every round: the server's peak through them
     rows = [r | {"peak_memory_gib": peak} for r in rows]
     if args.peer:
