@@ -130,3 +130,29 @@ def test_auto_is_chosen_before_loading(monkeypatch):
         speculor.load_pair(PairSpec(), backend="torch")
     with pytest.raises(SpeculorError, match="unknown backend"):
         speculor.load_pair(backend="gpu")
+
+
+def test_auto_with_a_llama_cpp_call_class_takes_llama_cpp_unmeasured(monkeypatch, capsys):
+    """--calls padded (or batched) is a llama.cpp setting: auto takes llama.cpp without measuring torch (which would
+    refuse the setting after its profile), says why, and refuses a pair llama.cpp cannot run."""
+    import speculor
+    from speculor.errors import SpeculorError
+    from speculor.runtime import choice, loading
+    from speculor.runtime.loading import PairSpec
+
+    loaded = []
+    monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("measured for a llama.cpp setting"))
+    monkeypatch.setattr(choice, "torch_only", lambda target, draft, device: "")
+    monkeypatch.setattr(loading, "load_pair", loaded.append)
+    speculor.load_pair("t.gguf", None, threads=2, calls="padded")
+    assert loaded == [PairSpec("t.gguf", None, backend="llama.cpp", threads=2, calls="padded")]
+    assert "chose llama.cpp: --calls padded is a llama.cpp setting" in capsys.readouterr().err
+    assert choice.candidates("t.gguf", None, "cpu", "batched") == ["llama.cpp"]
+    assert choice.candidates("t.gguf", None, "cpu") == ["torch", "llama.cpp"]
+    with pytest.raises(SpeculorError, match="--draft-vocab a torch one"):
+        speculor.load_pair("t.gguf", "d.gguf", calls="padded", draft_vocab=1024)
+    monkeypatch.setattr(choice, "torch_only", lambda target, draft, device: "it is not GGUF")
+    with pytest.raises(SpeculorError, match="--calls padded is a llama.cpp setting, and it is not GGUF"):
+        speculor.load_pair("/models/t", None, calls="padded")
+    with pytest.raises(SpeculorError, match="--calls padded is a llama.cpp setting, and it is not GGUF"):
+        choice.candidates("/models/t", None, "cpu", "padded")

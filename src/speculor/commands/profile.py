@@ -1,5 +1,6 @@
-"""`speculor profile`: t(n) for n = 1..16 of each backend (--backend auto: every candidate), the ceiling a free
-drafter could give with the measured acceptance, and the Sequoia tree the curve picks."""
+"""`speculor profile`: t(n) for n = 1..16 of each backend (--backend auto: every candidate, llama.cpp alone with
+--calls padded or batched), the ceiling a free drafter could give with the measured acceptance, and the Sequoia tree
+the curve picks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def run(args: Args) -> None:
     from speculor.runtime.embedded import named
 
     target, draft = named(args.target, None if args.draft == "none" else args.draft)
-    for name in candidates(target, draft, args.device):
+    for name in candidates(target, draft, args.device, args.calls):
         _profile_one(args, name)
         gc.collect()
 

@@ -67,8 +67,14 @@ def torch_only(target: str, draft: str | None, device: str) -> str:
     return ""
 
 
-def candidates(target: str, draft: str | None, device: str) -> list[str]:
-    return ["torch"] if torch_only(target, draft, device) else ["torch", "llama.cpp"]
+def candidates(target: str, draft: str | None, device: str, calls: str = "exact") -> list[str]:
+    """The backends that can run the pair; with --calls padded or batched (a llama.cpp setting) llama.cpp alone."""
+    why = torch_only(target, draft, device)
+    if calls != "exact":
+        if why:
+            raise SpeculorError(f"--calls {calls} is a llama.cpp setting, and {why}")
+        return ["llama.cpp"]
+    return ["torch"] if why else ["torch", "llama.cpp"]
 
 
 def say(chosen: str, why: str) -> str:
@@ -117,6 +123,11 @@ def resolve(spec: PairSpec) -> PairSpec:
     if spec.backend != "auto":
         return spec
     loading.check_device(spec.device, spec.offload)
+    if spec.calls != "exact":  # a llama.cpp setting: nothing to choose
+        if spec.draft_vocab:
+            raise SpeculorError(f"--calls {spec.calls} is a llama.cpp setting and --draft-vocab a torch one: give one")
+        candidates(*embedded.named(spec.target, spec.draft), spec.device, spec.calls)
+        return replace(spec, backend=say("llama.cpp", f"--calls {spec.calls} is a llama.cpp setting (nothing measured)"))
     only_torch = "--draft-vocab restricts a torch draft's head" if spec.draft_vocab else ""
     backend = choose(spec.target, spec.draft, device=spec.device, threads=spec.threads or torch.get_num_threads(),
                      only_torch=only_torch)
