@@ -127,7 +127,8 @@ def resolve(spec: PairSpec) -> PairSpec:
         if spec.draft_vocab:
             raise SpeculorError(f"--calls {spec.calls} is a llama.cpp setting and --draft-vocab a torch one: give one")
         candidates(*embedded.named(spec.target, spec.draft), spec.device, spec.calls)
-        return replace(spec, backend=say("llama.cpp", f"--calls {spec.calls} is a llama.cpp setting (nothing measured)"))
+        why = f"--calls {spec.calls} is a llama.cpp setting (nothing measured)"
+        return replace(spec, backend=say("llama.cpp", why))
     only_torch = "--draft-vocab restricts a torch draft's head" if spec.draft_vocab else ""
     backend = choose(spec.target, spec.draft, device=spec.device, threads=spec.threads or torch.get_num_threads(),
                      only_torch=only_torch)
