@@ -250,6 +250,40 @@ def test_repeated_work_keeps_a_functions_edits_in_a_row(monkeypatch) -> None:
     assert len({p.text.split("\n")[0] for p in got[:3]}) == len(prompts.EDITS)  # each edit once per function
 
 
+def test_a_jsonl_file_is_a_prompt_set(tmp_path, capsys) -> None:
+    """MT-Bench's / Spec-Bench's question format and {"prompt": ...} lines, spread over their categories."""
+    import re
+
+    from speculor import cli
+    from speculor.bench import prompts
+    from speculor.errors import SpeculorError
+
+    f = tmp_path / "mine.jsonl"
+    rows = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+            {"question_id": 82, "category": "writing", "turns": ["Write a letter."]},
+            {"question_id": 91, "category": "math", "turns": ["What is 2 + 2?"]},
+            {"prompt": "def f(x):\n", "chat": False, "id": "code"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    got = prompts.load([str(f)], None)
+    assert [(p.id, p.set, p.category, p.text, p.chat) for p in got] == [
+        ("mine/81", "mine", "writing", "Write a poem.", True), ("mine/91", "mine", "math", "What is 2 + 2?", True),
+        ("mine/code", "mine", "mine", "def f(x):\n", False), ("mine/82", "mine", "writing", "Write a letter.", True)]
+    bad = {"not JSON": "{", "a JSON object": "[1]", 'needs "turns"': '{"turns": []}',
+           'not both': '{"turns": ["a"], "prompt": "b"}', '"chat" must be': '{"prompt": "a", "chat": "no"}',
+           '(a string), not empty': '{"prompt": "  "}'}
+    for why, text in bad.items():
+        f.write_text('{"prompt": "fine"}\n' + text)
+        with pytest.raises(SpeculorError, match=re.escape(why)):
+            prompts.load([str(f)], None)
+    f.write_text("\n")
+    with pytest.raises(SpeculorError, match="holds no prompts"):
+        prompts.load([str(f)], None)
+    with pytest.raises(SpeculorError, match="cannot be read"):
+        prompts.load([str(tmp_path / "missing.jsonl")], None)
+    assert cli.main(["bench", "--sets", str(f)]) == 2  # refused before any model is loaded
+    assert "holds no prompts" in capsys.readouterr().err
+
+
 def test_acceptance_by_match_length() -> None:
     from speculor.bench.summary import acceptance_by_match
 

@@ -23,6 +23,10 @@ from speculor.commands import (
 )
 from speculor.errors import SpeculorError
 
+SETS_HELP = ("prompt sets, comma-separated: mtbench, humaneval, sharegpt, code-edit, summarize, repeat-edit, or a "
+             "JSONL file of your own prompts (MT-Bench's and Spec-Bench's question.jsonl, or one {\"prompt\": ...} a "
+             "line)")
+
 
 def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto") -> None:
     """The pair's options; backend: --backend's default (torch for the commands that need transformers' models)."""
@@ -106,7 +110,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     bench/config.py's DEFAULTS and QUICK tables (options left None here take them in `BenchConfig.from_args`)."""
     p.add_argument("--strategies", default=None, help="comma-separated; options after colons, e.g. "
                    "plain,chain:k=2,chain:k=6,hf-assisted (default plain,chain:k=4,dyspec:budget=auto)")
-    p.add_argument("--sets", default="mtbench,humaneval", help="mtbench, humaneval, sharegpt")
+    p.add_argument("--sets", default="mtbench,humaneval", help=SETS_HELP)
     p.add_argument("--limit", type=int, default=None, help="number of prompts, spread over sets and categories "
                    "(default 8)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="(default 128)")
@@ -190,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--url", default="http://127.0.0.1:8000")
     lt.add_argument("--clients", default="1,4,16,32", help="comma-separated concurrencies, one round each")
     lt.add_argument("--requests", type=int, default=1, help="requests per client in a round, one after another")
-    lt.add_argument("--sets", default="mtbench,humaneval", help="prompt sets, comma-separated (bench's names)")
+    lt.add_argument("--sets", default="mtbench,humaneval", help=SETS_HELP)
     lt.add_argument("--limit", type=int, default=16, help="prompts taken from the sets (mixed in turn)")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--strategy", default=None, help="the requests' speculative strategy, or several comma-separated "

@@ -4,7 +4,11 @@ HumanEval solution to return with one edit), `summarize` (a long ShareGPT turn t
 `repeat-edit` (repeated work: one HumanEval solution edited in each of the EDITS ways, the requests of a function
 in a row, where what earlier answers wrote helps the later ones).
 
-`load(sets, limit)` returns prompts spread evenly over the sets and, for MT-Bench, over its categories.
+A set may also be a JSONL file of the user's own prompts (`file_set`): one object a line, MT-Bench's and
+Spec-Bench's question format (`{"question_id", "category", "turns": [first turn, ...]}`, chat) or `{"prompt": text}`
+with optional `"id"`, `"category"` and `"chat"` (default true; false continues the raw text).
+
+`load(sets, limit)` returns prompts spread evenly over the sets and over their categories.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import fetch as fetch_packages
@@ -117,6 +122,39 @@ def _summarize() -> list[Prompt]:
     return out
 
 
+def file_set(path: Path) -> list[Prompt]:
+    """The prompts of a JSONL file (module docstring): first turns or prompts, in the file's order."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpeculorError(f"prompt set {str(path)!r} cannot be read: {e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"prompt set {str(path)!r}, line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpeculorError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise SpeculorError(f"{where}: a JSON object was expected")
+        turns, chat = row.get("turns"), row.get("chat", True)
+        text = turns[0] if isinstance(turns, list) and turns else row.get("prompt")
+        if turns is not None and "prompt" in row:
+            raise SpeculorError(f'{where}: give "turns" or "prompt", not both')
+        if not isinstance(text, str) or not text.strip():
+            raise SpeculorError(f'{where}: needs "turns" (a list of strings) or "prompt" (a string), not empty')
+        if not isinstance(chat, bool):
+            raise SpeculorError(f'{where}: "chat" must be true or false')
+        category = str(row.get("category", path.stem))
+        out.append(Prompt(f"{path.stem}/{row.get('question_id', row.get('id', n))}", path.stem, category, text,
+                          chat))
+    if not out:
+        raise SpeculorError(f"prompt set {str(path)!r} holds no prompts")
+    return out
+
+
 LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval, "sharegpt": _sharegpt, "code-edit": _code_edit,
            "summarize": _summarize, "repeat-edit": _repeat_edit}
 
@@ -129,14 +167,19 @@ def _round_robin(groups: list[list[Prompt]]) -> list[Prompt]:
     return out
 
 
+def _is_file(name: str) -> bool:
+    return name.endswith((".jsonl", ".json")) or "/" in name or Path(name).is_file()
+
+
 def load(sets: list[str], limit: int | None = None) -> list[Prompt]:
-    """Prompts of `sets`, interleaved (set by set, and MT-Bench category by category), first `limit`."""
-    unknown = [s for s in sets if s not in LOADERS]
+    """Prompts of `sets` (names or JSONL files), interleaved (set by set, and category by category), first
+    `limit`."""
+    unknown = [s for s in sets if s not in LOADERS and not _is_file(s)]
     if unknown:
-        raise SpeculorError(f"unknown prompt set(s) {unknown}; known: {', '.join(LOADERS)}")
+        raise SpeculorError(f"unknown prompt set(s) {unknown}; known: {', '.join(LOADERS)}, or a JSONL file")
     per_set = []
     for s in sets:
-        prompts = LOADERS[s]()
+        prompts = LOADERS[s]() if s in LOADERS else file_set(Path(s))
         by_cat: dict[str, list[Prompt]] = {}
         for p in prompts:
             by_cat.setdefault(p.category, []).append(p)
