@@ -235,17 +235,26 @@ def test_the_table_divides_by_llama_cpps_plain_where_that_peer_ran() -> None:
     that peer."""
     from speculor.bench.summary import format_table
 
-    recs = [r for rnd in range(2) for r in (_rec("plain", "p", rnd, 10.0, [0] * 10),
-                                            _rec("chain:k=3", "p", rnd, 4.0, [1] * 5),
-                                            _rec("llama.cpp", "p", rnd, 8.0 if rnd else 5.0, None, tokens=10))]
+    recs = [r for rnd in range(2) for r in (_rec("plain", "p", rnd, 10.0, [0] * 10, prefill_s=2.0),
+                                            _rec("chain:k=3", "p", rnd, 4.0, [1] * 5, prefill_s=2.0),
+                                            _rec("llama.cpp", "p", rnd, 8.0 if rnd else 5.0, None, tokens=10,
+                                                 prefill_s=1.0))]
     summary = summarize(recs, ["plain", "chain:k=3", "llama.cpp"], [0.0])
     assert summary["plain"]["vs_llama_cpp"] == pytest.approx((0.5 + 0.8) / 2)  # median of the two rounds
     assert summary["chain:k=3"]["vs_llama_cpp_min"] == pytest.approx(1.25)  # 2.5 tokens/s ÷ round 0's 2.0
     assert summary["llama.cpp"]["vs_llama_cpp"] == pytest.approx(1.0)
+    # decode alone: each side's prefill (the peer's time to its first token) out: 10/8 ÷ 10/4 and 10/7
+    assert summary["plain"]["vs_llama_cpp_decode"] == pytest.approx((4 / 8 + 7 / 8) / 2)
     head, rule, *rows = format_table(summary).splitlines()
-    assert "| ÷ our plain (min–max) | ÷ llama.cpp plain |" in head and rule.count("---") == 14
+    assert "| ÷ our plain (min–max) | ÷ llama.cpp plain (decode) |" in head and rule.count("---") == 14
     assert all(row.count("|") == head.count("|") for row in rows)
-    assert "| 2.50x (2.50–2.50) | 1.62x |" in rows[1]  # chain: 2.5x our plain; 10/4 ÷ 10/5 and 10/8: median 1.62
+    assert "| 2.50x (2.50–2.50) | 1.62x (2.75x) |" in rows[1]  # chain: 10/4 ÷ 10/5, 10/8; decode 10/2 ÷ 10/4, 10/7
+    untimed = [r | {"prefill_s": None} if r["strategy"] == "llama.cpp" else r for r in recs]
+    for r in untimed:
+        if r["prefill_s"] is None:
+            del r["prefill_s"]  # a peer that says no time to its first token: no decode ratio
+    assert summarize(untimed, ["plain"], [0.0])["plain"]["vs_llama_cpp_decode"] is None
+    assert "| 1.00x (1.00–1.00) | 0.65x |" in format_table(summarize(untimed, ["plain"], [0.0]))
     without = [r for r in recs if r["strategy"] != "llama.cpp"]
     head = format_table(summarize(without, ["plain", "chain:k=3"], [0.0])).splitlines()[0]
     assert "÷ llama.cpp" not in head and head.count("|") == 14

@@ -574,8 +574,8 @@ def test_llama_cpps_own_prompt_lookup_runs_as_a_peer(llama_pair):
     ids = sp.encode("Return this function unchanged:\ndef f(x):\n    y = x + 1\n    return [x, y, x * y]", chat=True)
     cfg = SamplingConfig(max_new_tokens=24)
     for name in ("llama.cpp", "llama.cpp-lookup"):
-        tokens, wall = peer_generate(llama_pair, name, ids, cfg, sp.eos_ids)
-        assert 0 < len(tokens) <= 24 and wall > 0, name
+        tokens, wall, first = peer_generate(llama_pair, name, ids, cfg, sp.eos_ids)
+        assert 0 < len(tokens) <= 24 and 0 < first < wall, name
 
 
 def test_the_servers_warm_up_makes_the_prompt_context_and_leaves_no_request_state(draft):

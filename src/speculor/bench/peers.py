@@ -123,17 +123,17 @@ def unfit(pair: Pair, name: str) -> str:
 
 
 def peer_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,
-                  eos_ids: frozenset[int]) -> tuple[list[int], float]:
-    """(new token ids, wall seconds) of peer `name`."""
+                  eos_ids: frozenset[int]) -> tuple[list[int], float, float | None]:
+    """(new token ids, wall seconds, seconds to the first token or None where the peer does not say) of `name`."""
     if name in LLAMA_PEERS:
         return llama_generate(pair, prompt, cfg, eos_ids, lookup=name == "llama.cpp-lookup")
-    return hf_generate(pair, name, prompt, cfg, eos_ids)
+    return *hf_generate(pair, name, prompt, cfg, eos_ids), None
 
 
 def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig, eos_ids: frozenset[int],
-                   lookup: bool = False) -> tuple[list[int], float]:
-    """(new token ids, wall seconds, prefill included) of llama.cpp's plain decoding of the target's GGUF, or with
-    `lookup` its prompt-lookup drafting."""
+                   lookup: bool = False) -> tuple[list[int], float, float]:
+    """(new token ids, wall seconds prefill included, seconds to the first token: the prompt's evaluation) of
+    llama.cpp's plain decoding of the target's GGUF, or with `lookup` its prompt-lookup drafting."""
     from speculor.runtime.llama import quiet_llama
     from speculor.runtime.loading import gguf_file
 
@@ -148,7 +148,9 @@ def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig, eos_ids: 
               {"temp": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or 0, "min_p": 0.0})
     out: list[int] = []
     t0 = time.perf_counter()
+    first = None
     for tok in llm.generate(prompt, reset=True, repeat_penalty=1.0, **sample):
+        first = first or time.perf_counter() - t0
         if cfg.stop_on_eos and tok in eos_ids:
             break
         out.append(tok)
@@ -156,7 +158,7 @@ def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig, eos_ids: 
             break
     wall = time.perf_counter() - t0
     llm.close()
-    return out, wall
+    return out, wall, first or wall
 
 
 @torch.inference_mode()

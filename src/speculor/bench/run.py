@@ -44,8 +44,8 @@ __all__ = ["cell", "format_table", "peak_memory_gib", "reset_peak_memory", "run"
 def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> dict[str, Any]:
     """One generation -> a record (tokens, wall time, per-step tree size, draft forwards, acceptance, time split)."""
     if spec.name in PEERS:
-        tokens, wall = peer_generate(sp.pair, spec.name, ids, cfg, sp.eos_ids)
-        return {"token_ids": tokens, "wall_s": wall, "steps": None}
+        tokens, wall, first = peer_generate(sp.pair, spec.name, ids, cfg, sp.eos_ids)
+        return {"token_ids": tokens, "wall_s": wall, "steps": None} | ({} if first is None else {"prefill_s": first})
     stats = Stats()
     k0 = kernel_s(sp.pair)
     t0 = time.perf_counter()

@@ -15,7 +15,8 @@ from typing import Any
 def summarize(records: list[dict[str, Any]], labels: list[str], temps: list[float]) -> dict[str, Any]:
     """Per strategy label: the fields at the first temperature, and `by_temperature` for every one. Where the
     `llama.cpp` peer ran, `vs_llama_cpp` (with its spread) divides by its tokens/s of the same round, as `speedup`
-    divides by our plain decoding's."""
+    divides by our plain decoding's, and `vs_llama_cpp_decode` the same with each side's prefill (its time to the
+    first token) taken out."""
     out: dict[str, Any] = {}
     for label in labels:
         by_t = {}
@@ -26,6 +27,9 @@ def summarize(records: list[dict[str, Any]], labels: list[str], temps: list[floa
             peer = [r for r in records if r["strategy"] == "llama.cpp" and r["temperature"] == temp]
             if peer:
                 by_t[str(temp)] |= spread("vs_llama_cpp", round_ratios(rows, peer))
+                timed = all("prefill_s" in r for r in rows + peer)
+                decode = round_ratios(rows, peer, decode_only=True) if timed else []
+                by_t[str(temp)]["vs_llama_cpp_decode"] = statistics.median(decode) if decode else None
         out[label] = {**by_t[str(temps[0])], "by_temperature": by_t}
     return out
 
@@ -69,7 +73,7 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
     steps = [a for r in rows if r.get("accepted") is not None for a in r["accepted"]]
     agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
     # decode only: the prompt's prefill (the same target forward for every strategy) taken out of the wall time;
-    # the peers' records have no prefill time
+    # of the peers only llama.cpp's records have one (its time to the first token)
     decode = round_ratios(rows, base, decode_only=True) if all("prefill_s" in r for r in rows) else []
     agg["decode_speedup"] = statistics.median(decode) if decode else None
     agg["speedup_by_category"] = by_category(rows, base)
@@ -135,7 +139,7 @@ def format_table(summary: dict[str, Any]) -> str:
     predicted speedup, identity, time split and peak memory."""
     llama = any("vs_llama_cpp" in a for s in summary.values() for a in s["by_temperature"].values())
     head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | ÷ our plain (min–max) | "
-            + ("÷ llama.cpp plain | " if llama else "")
+            + ("÷ llama.cpp plain (decode) | " if llama else "")
             + "predicted | decode speedup | greedy identical | prefill / draft / verify / other | host ms/step "
             + "(share) | peak GiB |")
     lines = [head, "|" + "---|" * (13 + llama)]
@@ -146,7 +150,8 @@ def format_table(summary: dict[str, Any]) -> str:
             parts = ("prefill_s", "draft_s", "verify_s")
             split_s = "-" if not split else " / ".join(
                 [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
-            speed = with_spread(a, "speedup") + (f" | {cell(a, 'vs_llama_cpp', unit='x')}" if llama else "")
+            decode = "" if a.get("vs_llama_cpp_decode") is None else f" ({a['vs_llama_cpp_decode']:.2f}x)"
+            speed = with_spread(a, "speedup") + (f" | {cell(a, 'vs_llama_cpp', unit='x')}{decode}" if llama else "")
             predicted = cell(a, "predicted_speedup", unit="x")
             if a.get("model_check"):
                 predicted += f" {a['model_check']}"
