@@ -13,8 +13,9 @@ Python: no torch, no model.
                children (count(v) less the occurrences that end there: the context's own, unfinished one). A
                continuation seen once after every earlier occurrence is P = 1 (Arctic Inference divides by count(v),
                1/2 there; here the cost curve prices each node by P, and the match-length trust corrects it).
-    draft      best-first by P: at most `budget` nodes, each with P >= min_prob. P never rises along a path, so a
-               node's parent is always taken before it and every prefix of the order is a tree.
+    draft      best-first by P: at most min(budget, ⌈factor · |s|⌉) nodes (Arctic's max_spec_factor: a short match
+               drafts little), each with P >= min_prob. P never rises along a path, so a node's parent is always
+               taken before it and every prefix of the order is a tree.
 
 `SuffixTrie` indexes the sequences of one owner (a request's prompt and output; no lock). `SuffixCache` keeps the
 outputs of many requests in one trie shared across requests, behind a lock, with at most `max_tokens` tokens: when
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -165,11 +167,13 @@ class SuffixTrie:
                 hi = mid - 1
         return best
 
-    def propose(self, context: Sequence[int], budget: int, min_prob: float) -> Candidate:
+    def propose(self, context: Sequence[int], budget: int, min_prob: float, factor: float = math.inf) -> Candidate:
         """The draft tree after `context`: the longest match's most likely continuations, best-first by P, at most
-        `budget` nodes with P >= min_prob (module docstring)."""
+        min(budget, ⌈factor · match⌉) nodes with P >= min_prob (module docstring)."""
         length, node = self.match(context)
-        if node is None or budget < 1:
+        if node is None or factor * length < budget:
+            budget = math.ceil(factor * length) if node is not None else 0
+        if budget < 1:
             return NOTHING
         tokens, parents, probs = [], [], []
         order = itertools.count()  # ties: the earlier pushed (shallower, first seen) first
@@ -232,9 +236,9 @@ class SuffixCache:
             kept += tokens
             self.tokens += len(tokens)
 
-    def propose(self, context: Sequence[int], budget: int, min_prob: float) -> Candidate:
+    def propose(self, context: Sequence[int], budget: int, min_prob: float, factor: float = math.inf) -> Candidate:
         with self._lock:
-            return self.trie.propose(context, budget, min_prob)
+            return self.trie.propose(context, budget, min_prob, factor)
 
     def clear(self) -> None:
         """Forget every sequence (a running one's later tokens start it again)."""

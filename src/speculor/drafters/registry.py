@@ -43,13 +43,14 @@ FALLBACKS = ("dyspec", "eagle")  # suffix's fallbacks: trees sized by the cost c
 
 
 def _suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24, min_prob: float = 0.1,
-            shared: bool | str = True, max_tokens: int = 16384, fallback: str = "none") -> Strategy:
+            shared: bool | str = True, max_tokens: int = 16384, fallback: str = "none",
+            max_spec_factor: float = 1.0) -> Strategy:
     """suffix (drafters/suffix.py), its fallback built here (strategies do not import each other): dyspec or eagle
     with budget "auto", asked where the tries draft nothing worth its rows."""
     if fallback not in ("none", *FALLBACKS):
         raise SpeculorError(f"fallback must be none or one of {', '.join(FALLBACKS)}, got {fallback!r}")
     other = None if fallback == "none" else make_strategy(fallback, pair, budget="auto")
-    return make_suffix(pair, budget, max_depth, min_prob, shared, max_tokens, other)
+    return make_suffix(pair, budget, max_depth, min_prob, shared, max_tokens, other, max_spec_factor)
 
 
 BUILDERS: dict[str, Callable[..., Strategy | None]] = {
@@ -63,7 +64,7 @@ BUILDERS: dict[str, Callable[..., Strategy | None]] = {
     "topk-tree": make_topk_tree,  # options: budget, depth, k (see topk_tree.TopkOptions)
     "gsd": make_gsd,  # options: n, k, sibling_threshold, prob_threshold, depth, budget (see gsd.GSDOptions)
     "eagle": make_eagle,  # options: budget (int or "auto"), depth, threshold, heads (see eagle.make_eagle)
-    "suffix": _suffix,  # options: budget (int or "auto"), max_depth, min_prob, shared, max_tokens, fallback
+    "suffix": _suffix,  # options: budget, max_depth, min_prob, shared, max_tokens, fallback, max_spec_factor
 }
 
 

@@ -69,13 +69,15 @@ class SuffixOptions:
     """budget: most draft tokens per step, or "auto" (the cost curve decides, at most AUTO_CAP); max_depth: the
     tries' depth, match and continuation together (matches of at most max_depth // 2 tokens); min_prob: smallest
     path probability P drafted; shared: whether requests share a trie of their outputs; max_tokens: most tokens
-    that trie keeps (the oldest requests' evicted first)."""
+    that trie keeps (the oldest requests' evicted first); max_spec_factor: most draft tokens per token of the match
+    (Arctic Inference's, 1 as there)."""
 
     budget: int | str = DEFAULT_BUDGET
     max_depth: int = 24
     min_prob: float = 0.1
     shared: bool = True
     max_tokens: int = 16384
+    max_spec_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.budget != "auto" and (not is_int(self.budget) or not 1 <= self.budget <= 1024):
@@ -86,6 +88,8 @@ class SuffixOptions:
         if not isinstance(self.shared, bool):
             raise SpeculorError(f"shared must be on or off (a bool), got {self.shared!r}")
         check_int("max_tokens", self.max_tokens, 1, 1 << 26)
+        if not is_num(self.max_spec_factor) or not 0 < self.max_spec_factor <= 1024:
+            raise SpeculorError(f"max_spec_factor must be a number in (0, 1024], got {self.max_spec_factor!r}")
 
     @property
     def cap(self) -> int:
@@ -166,9 +170,11 @@ class SuffixDrafter(BatchAware):
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         self._index(seq[self.known:], output=self.known > 0)
-        own = self.trie.propose(seq, self.opts.cap, self.opts.min_prob)
+        o = self.opts
+        own = self.trie.propose(seq, o.cap, o.min_prob, o.max_spec_factor)
         alone = cfg.seed is not None and not cfg.greedy  # module docstring
-        other = NOTHING if self.cache is None or alone else self.cache.propose(seq, self.opts.cap, self.opts.min_prob)
+        other = NOTHING if self.cache is None or alone else self.cache.propose(seq, o.cap, o.min_prob,
+                                                                                o.max_spec_factor)
         best = other if other.match > own.match else own
         self.trust = self.own_trust if alone else self.shared_trust
         trust = self.trust.of(best.match)
@@ -237,11 +243,12 @@ def switch(value: object, name: str) -> bool:
 
 
 def make_suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24, min_prob: float = 0.1,
-                shared: bool | str = True, max_tokens: int = 16384, fallback: Strategy | None = None) -> SuffixStrategy:
+                shared: bool | str = True, max_tokens: int = 16384, fallback: Strategy | None = None,
+                max_spec_factor: float = 1.0) -> SuffixStrategy:
     """Builder of the `suffix` strategy (SuffixOptions; shared also as on/off; fallback: a strategy built by the
     registry, module docstring). Default budget: DEFAULT_BUDGET where the target's rows are cheap (torch), else "auto"
     (llama.cpp: t(n) grows with n)."""
     if budget is None:
         budget = DEFAULT_BUDGET if pair.target.cheap_rows else "auto"
-    opts = SuffixOptions(budget, max_depth, min_prob, switch(shared, "shared"), max_tokens)
+    opts = SuffixOptions(budget, max_depth, min_prob, switch(shared, "shared"), max_tokens, max_spec_factor)
     return SuffixStrategy(opts, machine_cost(pair) if opts.budget == "auto" else None, fallback)
