@@ -25,8 +25,8 @@ from transformers import AutoTokenizer
 from speculor.bench import prompts as sets
 from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
-from speculor.drafters.base import Shared
 from speculor.drafters import lookup, suffix
+from speculor.drafters.base import Shared
 from speculor.runtime.cost import CostModel
 
 COST = os.environ.get("COST") or next((Path.home() / ".cache/speculor/sequoia").glob(
