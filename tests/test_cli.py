@@ -112,7 +112,7 @@ def test_an_option_the_strategy_does_not_take_is_refused(command, argv, message,
 @pytest.mark.parametrize("command, argv, message", [
     (["generate", "--prompt", "hi"], ["--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),
     (["serve"], ["--k", "3"], "strategy 'suffix' takes no option 'k' (its options: budget, max_depth, min_prob, "
-                              "shared, max_tokens, fallback)"),
+                              "shared, max_tokens, fallback, max_spec_factor)"),
 ])
 def test_the_default_strategy_refuses_what_it_does_not_take(command, argv, message, no_pair, capsys) -> None:
     """generate's default strategy is chain; serve's is suffix with dyspec's fallback, both batch-aware."""
