@@ -171,9 +171,9 @@ class SuffixTrie:
         """The draft tree after `context`: the longest match's most likely continuations, best-first by P, at most
         min(budget, ⌈factor · match⌉) nodes with P >= min_prob (module docstring)."""
         length, node = self.match(context)
-        if node is None or factor * length < budget:
-            budget = math.ceil(factor * length) if node is not None else 0
-        if budget < 1:
+        if factor * length < budget:  # (compared first: ⌈inf⌉ has no int)
+            budget = math.ceil(factor * length)
+        if node is None or budget < 1:
             return NOTHING
         tokens, parents, probs = [], [], []
         order = itertools.count()  # ties: the earlier pushed (shallower, first seen) first
