@@ -27,8 +27,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], temps: list[floa
             peer = [r for r in records if r["strategy"] == "llama.cpp" and r["temperature"] == temp]
             if peer:
                 by_t[str(temp)] |= spread("vs_llama_cpp", round_ratios(rows, peer))
-                timed = all("prefill_s" in r for r in rows + peer)
-                decode = round_ratios(rows, peer, decode_only=True) if timed else []
+                decode = decode_ratios(rows, peer)
                 by_t[str(temp)]["vs_llama_cpp_decode"] = statistics.median(decode) if decode else None
         out[label] = {**by_t[str(temps[0])], "by_temperature": by_t}
     return out
@@ -58,6 +57,12 @@ def round_ratios(rows: list[dict[str, Any]], base: list[dict[str, Any]], decode_
     return out
 
 
+def decode_ratios(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> list[float]:
+    """`round_ratios` of decoding alone (each side's prefill out), or none where a record has no prefill time (a peer
+    that does not say its time to the first token)."""
+    return round_ratios(rows, base, decode_only=True) if all("prefill_s" in r for r in rows + base) else []
+
+
 def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: float) -> dict[str, Any]:
     rounds = by_round(rows)
     tps = [tokens_per_s(rs) for rs in rounds.values()]
@@ -74,7 +79,7 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
     agg["tau"] = (sum(a + 1 for a in steps) / len(steps)) if steps else None
     # decode only: the prompt's prefill (the same target forward for every strategy) taken out of the wall time;
     # of the peers only llama.cpp's records have one (its time to the first token)
-    decode = round_ratios(rows, base, decode_only=True) if all("prefill_s" in r for r in rows) else []
+    decode = decode_ratios(rows, base)
     agg["decode_speedup"] = statistics.median(decode) if decode else None
     agg["speedup_by_category"] = by_category(rows, base)
     peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
