@@ -13,7 +13,7 @@ from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.ngram import NgramDrafter
 from speculor.engine.drafting import drive
 from speculor.runtime.choice import acceptance, predicted
-from speculor.runtime.cost import CostModel
+from speculor.runtime.cost import CallTimes, CostModel, Measured, steady
 
 N = tuple(range(1, 17))
 FLAT = CostModel(N, tuple(0.5 + 0.01 * n for n in N), N, tuple(0.05 + 0.003 * n for n in N))
@@ -77,6 +77,51 @@ def test_ngram_in_a_batch_prices_the_batch_s_step():
     assert step(d, seq, 0) == 0
     d.ledger = BatchLedger()
     assert step(d, seq, 8) > 0 and d.expected_tokens > 1
+
+
+GENTLE = CostModel(N, tuple(0.05 * (1 + 0.15 * (n - 1)) for n in N), N, tuple(0.0 for _ in N))
+
+
+def timed(ratios: dict[int, float], times: int = CallTimes.SEEN) -> CallTimes:
+    """Calls of k rows timed at ratios[k] x a one-row call's 0.05 s, `times` each."""
+    calls = CallTimes(3)
+    for _ in range(times):
+        for k, r in ratios.items():
+            calls.add(k, 0.05 * r)
+    return calls
+
+
+def test_timed_calls_reprice_the_curve():
+    """t(n) = t_profile(n) (q ρ_3 + ρ_r) / (q π_3 + π_r): t(1) stays the profile's, sizes timed fewer than SEEN times
+    keep the profile's ratio, calls of more rows than the limit are not counted."""
+    pi = [GENTLE.t_target(k) / GENTLE.t_target(1) for k in (1, 2, 3)]
+    cost = Measured(GENTLE, timed({1: 1.0, 3: 2.4}))
+    assert cost.t_target(1) == pytest.approx(GENTLE.t_target(1))
+    assert cost.t_target(3) == pytest.approx(GENTLE.t_target(3) * 2.4 / pi[2])
+    assert cost.t_target(2) == pytest.approx(GENTLE.t_target(2))  # never timed: the profile's
+    assert cost.t_target(7) == pytest.approx(GENTLE.t_target(7) * (2 * 2.4 + 1) / (2 * pi[2] + 1))
+    assert cost.t_draft(4) == GENTLE.t_draft(4)
+    few = Measured(GENTLE, timed({1: 1.0, 3: 2.4}, times=CallTimes.SEEN - 1))
+    assert few.t_target(3) == pytest.approx(GENTLE.t_target(3))
+    calls = timed({1: 1.0, 3: 2.4})
+    calls.add(8, 9.0)
+    assert calls.n[1:] == [CallTimes.SEEN, 0, CallTimes.SEEN]
+    calls.add(3, 0.05 * 3.4)  # a call moves its size's average by ALPHA
+    assert calls.ratio(3) == pytest.approx(2.4 + CallTimes.ALPHA * 1.0)
+
+
+def test_ngram_prices_its_cut_by_the_timed_calls_unless_seeded():
+    """On a gentle profile a copy pays; where the calls are timed steep it does not (the same drafter, the same
+    acceptance); a seeded sampled request prices by the profile alone (its tree must follow from its seed)."""
+    seq = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6, 7]
+    steep = Measured(GENTLE, timed({1: 1.0, 2: 3.0, 3: 4.5}))  # a row costs more than a call
+    assert step(NgramDrafter(k=8, cost=GENTLE), seq, 8) > 0
+    assert step(NgramDrafter(k=8, cost=Measured(GENTLE, timed({1: 1.0, 2: 1.15, 3: 1.3}))), seq, 8) > 0
+    assert step(NgramDrafter(k=8, cost=steep), seq, 8) == 0
+    seeded = SamplingConfig(temperature=0.7, seed=3)
+    d = NgramDrafter(k=8, cost=steep)
+    assert len(drive(d.propose(seq, seeded, None)).tokens) == step(NgramDrafter(k=8, cost=GENTLE), seq, 8)
+    assert steady(steep, True) is GENTLE and steady(steep, False) is steep and steady(GENTLE, True) is GENTLE
 
 
 def test_auto_says_what_it_chose_and_measures_nothing_where_only_torch_runs(monkeypatch, capsys):

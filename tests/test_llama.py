@@ -46,6 +46,17 @@ def test_tree_in_one_forward_equals_each_path_alone(draft):
         assert torch.equal(logits[row], alone(draft, PROMPT + path)), path
 
 
+def test_calls_are_timed_by_their_rows(draft):
+    """runtime/cost.CallTimes: each exact call's seconds under its rows; a prompt's calls (its own context) are not
+    a tree's and are not counted."""
+    calls, before = draft.call_times, list(draft.call_times.n)
+    cache = prefilled(draft, PROMPT[:-1])
+    assert calls.n == before
+    forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))  # 6 rows: two calls of 3
+    alone(draft, PROMPT + [100, 300])  # three one-row calls
+    assert calls.n == [0, before[1] + 3, before[2], before[3] + 2] and calls.s[1] > 0 and calls.s[3] > 0
+
+
 def test_a_thread_that_decoded_ends_its_openmp_team(draft):
     """runtime/openmp.py: after release() the calling thread's team is gone (a thread fewer: its 2-thread team's
     worker) and decoding makes it again with the same bits."""

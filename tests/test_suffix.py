@@ -27,7 +27,7 @@ from speculor.drafters.registry import make_strategy, options_of
 from speculor.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixStrategy
 from speculor.engine.drafting import drive
 from speculor.errors import SpeculorError
-from speculor.runtime.cost import CostModel
+from speculor.runtime.cost import CallTimes, CostModel, Measured
 from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 
@@ -343,6 +343,21 @@ def test_auto_cuts_to_what_the_curve_pays_and_learns():
     assert retries and retries[0] > 100  # ... and tries again, rarely, once what it learned has faded
     with pytest.raises(SpeculorError, match="cost model"):
         SuffixStrategy(auto)
+
+
+def test_auto_prices_by_the_timed_calls_unless_seeded():
+    """The cut follows the target's calls as they are timed (runtime/cost.Measured): where a row costs more than a
+    call, nothing pays; a seeded sampled request cuts by the profile alone (its tree follows from its seed)."""
+    twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]
+    auto = SuffixOptions(budget="auto", shared=False, max_spec_factor=UNCAPPED)
+    calls = CallTimes(3)
+    for _ in range(CallTimes.SEEN):
+        for k, ratio in ((1, 1.0), (2, 4.0), (3, 9.0)):  # rows far dearer than the profile says
+            calls.add(k, 0.05 * ratio)
+    profile = step(SuffixDrafter(auto, cost=GENTLE), twice, True)
+    assert profile >= 2 and step(SuffixDrafter(auto, cost=Measured(GENTLE, calls)), twice, True) == 0
+    seeded = drive(SuffixDrafter(auto, cost=Measured(GENTLE, calls)).propose(twice, SamplingConfig(0.7, seed=5), None))
+    assert len(seeded) == profile
 
 
 def test_a_short_match_drafts_little():

@@ -10,7 +10,8 @@ a is a Beta(1.4, 0.6) estimate (prior mean 0.7) from the copied tokens that reac
 length of the matched n-gram (a 3-gram's copy is far likelier right than a 1-gram's); its counts decay by DECAY at
 every step it is not tried for its own acceptance, so a length given up on is tried again later. On a flat curve
 (fp32 torch) the whole continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do. In a batch the
-rate is the batch step's (core/goodput.best_prefix: the other requests' tokens and rows join both sides)."""
+rate is the batch step's (core/goodput.best_prefix: the other requests' tokens and rows join both sides). t_target
+follows the target's calls as they are timed (runtime/cost.Measured), but for a seeded sampled request."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from speculor.core.goodput import Costs, best_prefix
 from speculor.core.tree import DraftTree, merge
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchAware, BatchLedger, Proposal
+from speculor.runtime.cost import steady
 
 
 def ngram_continuations(seq: Sequence[int], n_max: int, k: int, branches: int) -> list[list[int]]:
@@ -60,6 +62,7 @@ class NgramDrafter(BatchAware):
         for name, value, top in (("k", k, 64), ("n", n, 16), ("branches", branches, 16)):
             check_int(name, value, 1, top)
         self.k, self.n, self.branches, self.forwards, self.cost = k, n, branches, 0, cost
+        self.price = cost  # the curve of this step's cut (`steady`: the profile alone for a seeded sampled request)
         # auto: per matched length m, copied tokens that reached verification and tokens accepted
         self.reached, self.accepted = [0.0] * (n + 1), [0.0] * (n + 1)
         self.cut, self.m = k, 0
@@ -71,6 +74,7 @@ class NgramDrafter(BatchAware):
         if self.cost is not None:
             self.m = found[0][0] if found else 0
             longest = max((len(c) for c in conts), default=0)
+            self.price = steady(self.cost, cfg.seed is not None and not cfg.greedy)
             self.cut = self._best_cut(longest, self.ledger)
             conts = [c[:self.cut] for c in conts if self.cut]
             if not self.cut and self.m and (self.ledger is None or not self._best_cut(longest)):
@@ -94,7 +98,7 @@ class NgramDrafter(BatchAware):
     def _best_cut(self, longest: int, batch: BatchLedger | None = None) -> int:
         """The continuation length with the best expected rate (module docstring), 0 = none; a step's of `batch`."""
         a = self._a()
-        return best_prefix(self.cost, (a**j for j in range(1, longest + 1)), batch)
+        return best_prefix(self.price, (a**j for j in range(1, longest + 1)), batch)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.cost is None:

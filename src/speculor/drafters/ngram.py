@@ -9,7 +9,7 @@ from speculor.drafters.base import Shared
 from speculor.drafters.lookup import NgramDrafter
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Pair
-from speculor.runtime.profiling import machine_cost
+from speculor.runtime.profiling import live_cost
 
 
 def make_ngram(pair: Pair, k: int = 8, n: int = 3, branches: int = 1, budget: str | None = None) -> Shared:
@@ -22,5 +22,5 @@ def make_ngram(pair: Pair, k: int = 8, n: int = 3, branches: int = 1, budget: st
     if budget not in ("auto", "k"):
         raise SpeculorError(f"ngram's budget is 'auto' or 'k', got {budget!r}")
     NgramDrafter(k=k, n=n, branches=branches)  # validates the options
-    cost = machine_cost(pair) if budget == "auto" else None
+    cost = live_cost(pair) if budget == "auto" else None
     return Shared(partial(NgramDrafter, k=k, n=n, branches=branches, cost=cost))

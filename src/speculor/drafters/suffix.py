@@ -27,7 +27,8 @@ Tree size:
                     (a seeded sampled request learns its own, as it reads its own trie); both sums of a bucket fade
                     by DECAY at each step that has a match in it and drafts nothing, so a bucket given up on is tried
                     again, rarely: a 1-token match on chat text is seldom followed as it was before, a 9-token one
-                    nearly always.
+                    nearly always. t_target follows the target's calls as they are timed (runtime/cost.Measured;
+                    a seeded sampled request's: the profile alone).
 Hybrid (`fallback`, built by the registry: dyspec or eagle with budget "auto"): a step where the tries draft nothing
 worth its rows asks the fallback, a draft model's or a head's tree sized by the same cost curve, which itself drafts
 only where its predicted rate beats a plain step (and catches up over the tokens it missed only then). Suffix first,
@@ -54,7 +55,8 @@ from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchAware, Drafter, Proposal, Strategy
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Pair
-from speculor.runtime.profiling import machine_cost
+from speculor.runtime.cost import steady
+from speculor.runtime.profiling import live_cost
 
 DEFAULT_BUDGET = 16  # draft tokens per step where the target's rows are cheap (torch); else "auto" (llama.cpp)
 AUTO_CAP = 64  # most draft tokens per step with budget "auto"
@@ -155,6 +157,7 @@ class SuffixDrafter(BatchAware):
     def __init__(self, opts: SuffixOptions | None = None, cache: SuffixCache | None = None,
                  cost: Costs | None = None, fallback: Drafter | None = None, trust: Trust | None = None) -> None:
         self.opts, self.cache, self.cost, self.fallback = opts or SuffixOptions(), cache, cost, fallback
+        self.price = cost  # the curve of this step's cut (`steady`: the profile alone for a seeded sampled request)
         self.batch_aware = cost is not None or (fallback is not None and fallback.batch_aware)  # sized for the batch
         self.shared_trust = trust or Trust()  # budget "auto": the strategy's (a seeded request's own: `reset`)
         self.reset()
@@ -177,6 +180,7 @@ class SuffixDrafter(BatchAware):
                                                                                 o.max_spec_factor)
         best = other if other.match > own.match else own
         self.trust = self.own_trust if alone else self.shared_trust
+        self.price = steady(self.cost, alone)
         trust = self.trust.of(best.match)
         values = [min(1.0, trust * p) for p in best.probs] if self.cost is not None else best.probs
         n = self._cut(values) if self.cost is not None else len(values)
@@ -211,7 +215,7 @@ class SuffixDrafter(BatchAware):
     def _cut(self, values: list[float], alone: bool = False) -> int:
         """The number of best-first nodes with the highest expected rate (module docstring), 0 = none: for the
         batch's step where it runs in one (`ledger`), unless `alone`."""
-        return best_prefix(self.cost, values, None if alone else self.ledger)
+        return best_prefix(self.price, values, None if alone else self.ledger)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.asked:
@@ -251,4 +255,4 @@ def make_suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24
     if budget is None:
         budget = DEFAULT_BUDGET if pair.target.cheap_rows else "auto"
     opts = SuffixOptions(budget, max_depth, min_prob, switch(shared, "shared"), max_tokens, max_spec_factor)
-    return SuffixStrategy(opts, machine_cost(pair) if opts.budget == "auto" else None, fallback)
+    return SuffixStrategy(opts, live_cost(pair) if opts.budget == "auto" else None, fallback)

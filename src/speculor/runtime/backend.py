@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from speculor.runtime.cache import KVCache
+    from speculor.runtime.cost import CallTimes
 
 
 class Cache(Protocol):
@@ -103,6 +104,8 @@ class Backend(Protocol):
     cheap_rows: bool  # whether a few more rows in a forward cost little beside the forward (torch: t(n) nearly flat
     # for the rows a draft adds); False: t(n) grows with n (llama.cpp's CPU kernels), so a budget is sized by t(n)
     kernel_s: float | None  # seconds spent in its own kernels so far (llama.cpp's llama_decode), None: not counted
+    call_times: CallTimes | None  # its calls' seconds by rows (runtime/cost.py), where a call's rows are few and
+    # its cost grows with them (llama.cpp's exact calls); None: not timed
     min_chunk: int  # the fewest rows a prompt filled in chunks may end with (a shorter rest joins the chunk before):
     # llama.cpp's 8, which its prompt calls take in one piece (runtime/llama_fill.py `parts`); torch's 1
     fill_rows: int  # the prompt rows a step may give the requests filling their prompts while none decodes, in whole

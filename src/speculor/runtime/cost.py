@@ -3,7 +3,9 @@
 `CostModel` interpolates measured times (pure); `cost_path` names a pair's profile in the cache folder (the machine,
 threads, device, dtype and kernels it depends on: `machine_key`) and `cached_cost` reads it once per process.
 Measuring one is runtime/profiling.py's (`profile_cost`, and `machine_cost`: profile once where none is cached).
-Sequoia's and DySpec's `budget="auto"` (docs/algorithms.md §4.2, §5) size their trees with it.
+Sequoia's and DySpec's `budget="auto"` (docs/algorithms.md §4.2, §5) size their trees with it. `CallTimes` and
+`Measured`: the profile's t_target corrected by the target's own calls as this process times them (the model-free
+drafts' cuts: the shape of t(n) moves with the machine's load, docs/algorithms.md §11.1).
 """
 
 from __future__ import annotations
@@ -72,6 +74,54 @@ class CostModel:
     @staticmethod
     def load(path: Path) -> CostModel:
         return CostModel.from_json(path.read_text())
+
+
+class CallTimes:
+    """Seconds of a backend's calls by their rows, 1..limit (llama.cpp's exact calls), as moving averages: each call
+    moves its size's estimate by ALPHA; `ratio(k)` = c(k) / c(1) once both sizes were timed SEEN times."""
+
+    ALPHA = 0.1
+    SEEN = 4
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.s, self.n = limit, [0.0] * (limit + 1), [0] * (limit + 1)
+
+    def add(self, rows: int, seconds: float) -> None:
+        if 1 <= rows <= self.limit:
+            self.s[rows] = seconds if not self.n[rows] else self.s[rows] + self.ALPHA * (seconds - self.s[rows])
+            self.n[rows] += 1
+
+    def ratio(self, k: int) -> float | None:
+        return self.s[k] / self.s[1] if min(self.n[k], self.n[1]) >= self.SEEN and self.s[1] > 0 else None
+
+
+class Measured:
+    """A profile whose target curve follows the calls timed since (`CallTimes`): a block of n rows is q calls of
+    L = `limit` rows and one of r (n = q·L + r), and
+
+        t(n) = t_profile(n) · (q ρ_L + ρ_r) / (q π_L + π_r)      ρ_k = c(k) / c(1),  π_k = t_profile(k) / t_profile(1)
+
+    (ρ_0 = π_0 = 0; ρ_k = π_k until size k was timed): t(1) and the draft's curve stay the profile's, a block's rows
+    are priced at the ratios the machine gives now. `fixed`: the profile alone (a seeded sampled request's trees
+    must follow from its seed, not from timings: `steady`)."""
+
+    def __init__(self, profile: CostModel, calls: CallTimes) -> None:
+        self.fixed, self.calls = profile, calls
+        self.pi = [0.0] + [profile.t_target(k) / profile.t_target(1) for k in range(1, calls.limit + 1)]
+
+    def t_target(self, n: int) -> float:
+        pi, L = self.pi, self.calls.limit
+        rho = [0.0] + [self.calls.ratio(k) or pi[k] for k in range(1, L + 1)]
+        q, r = divmod(n, L)
+        return self.fixed.t_target(n) * (q * rho[L] + rho[r]) / (q * pi[L] + pi[r])
+
+    def t_draft(self, w: int) -> float:
+        return self.fixed.t_draft(w)
+
+
+def steady(cost: CostModel | Measured | None, seeded: bool) -> CostModel | Measured | None:
+    """The curve a request's tree is priced by: the profile alone for a seeded sampled request (`Measured`)."""
+    return cost.fixed if seeded and isinstance(cost, Measured) else cost
 
 
 def _interp(x: float, xs: Sequence[int], ys: Sequence[float]) -> float:

@@ -246,6 +246,7 @@ class HeadModel:
         self.weights = str(head.out.weight.dtype).removeprefix("torch.")
         self.hidden_size = head.cfg.hidden_size
         self.cells, self.cheap_rows, self.kernel_s = None, True, None  # a request's cache is its own; not counted
+        self.call_times = None
         self.min_chunk, self.fill_rows, self.root_in_prompt = 1, 0, False
         self.shared = self
         self.ids = head.ids.cpu()
@@ -328,6 +329,7 @@ class HeadView:
         self.vocab_size, self.context_length = model.vocab_size, model.context_length
         self.eos_ids, self.device, self.weights = model.eos_ids, model.device, model.weights
         self.hidden_size, self.cells, self.cheap_rows, self.kernel_s = model.hidden_size, None, True, None
+        self.call_times = None
         self.min_chunk, self.fill_rows, self.root_in_prompt = model.min_chunk, model.fill_rows, model.root_in_prompt
 
     @property

@@ -65,6 +65,7 @@ from speculor.runtime import llama_fill as fill
 from speculor.runtime import llama_padded as padded
 from speculor.runtime import llama_room as room
 from speculor.runtime.backend import Block, Rows, fit_vocab
+from speculor.runtime.cost import CallTimes
 from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
@@ -160,6 +161,7 @@ class LlamaModel:
         self.hidden_size = L.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
+        self.call_times = CallTimes(EXACT_ROWS) if calls == "exact" else None  # a tree's calls (runtime/cost.py)
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         self.cheap_rows, self.min_chunk, self.fill_rows = False, fill.TILED, N_BATCH  # t(n) grows with n; `fill.parts`
         self.root_in_prompt = True  # the prompt's last row keeps its bits in any calls on the grid (`lendable`)
@@ -367,7 +369,9 @@ class LlamaModel:
         rc = L.llama_decode(self.ctx, b)
         if rc == 1 and self.bury_none():  # full: the graveyard's cells freed (the order is then not guaranteed)
             rc = L.llama_decode(self.ctx, b)
-        self.kernel_s += time.perf_counter() - t0
+        self.kernel_s += (dt := time.perf_counter() - t0)
+        if self.call_times is not None and rc == 0:
+            self.call_times.add(k, dt)
         self.used += k if rc == 0 else 0
         if rc != 0:
             raise SpeculorError(f"llama_decode failed (code {rc}: "

@@ -51,7 +51,7 @@ class Model:
         self.lean = LeanDecoder(model) if lean else None
         self.cells = None  # every request's cache is its own
         self.cheap_rows = True  # the rows a draft adds cost little beside the forward (fp32 on a CPU, a GPU)
-        self.kernel_s = None  # not counted
+        self.kernel_s = self.call_times = None  # not counted, not timed
         self.min_chunk, self.fill_rows = 1, 0  # no floor on a prompt's last chunk, one chunk a step (engine/batch.py)
         self.root_in_prompt = False  # the first step scores the root (runtime/backend.py)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from speculor.runtime.backend import Pair, forward1
-from speculor.runtime.cost import CostModel, cached_cost, cost_path, machine_key
+from speculor.runtime.cost import CostModel, Measured, cached_cost, cost_path, machine_key
 from speculor.runtime.model import Model
 
 logger = logging.getLogger("speculor")
@@ -89,3 +89,10 @@ def machine_cost(pair: Pair, *, progress: bool = True) -> CostModel:
         return profile_cost(pair, progress=progress)
 
     return cached_cost(path, measure)
+
+
+def live_cost(pair: Pair, *, progress: bool = True) -> CostModel | Measured:
+    """`machine_cost` with its target curve following the target's calls as they are timed (runtime/cost.Measured),
+    where the target times them (llama.cpp's exact calls): the model-free drafts' cuts."""
+    cost = machine_cost(pair, progress=progress)
+    return cost if pair.target.call_times is None else Measured(cost, pair.target.call_times)
