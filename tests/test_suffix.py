@@ -521,7 +521,7 @@ def test_the_registry_builds_the_fallback(monkeypatch):
     import speculor.drafters.suffix as suffix_module
 
     monkeypatch.setattr(dyspec_module, "machine_cost", lambda pair: FLAT)
-    monkeypatch.setattr(suffix_module, "machine_cost", lambda pair: FLAT)
+    monkeypatch.setattr(suffix_module, "live_cost", lambda pair: FLAT)
     pair = Pair(Model(random_toy(6, seed=0)), Model(random_toy(6, seed=1)), None)
     strategy = make_strategy("suffix", pair, budget="auto", fallback="dyspec")
     assert strategy.fallback is not None and strategy.drafter().fallback is not None

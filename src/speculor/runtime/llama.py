@@ -40,7 +40,7 @@ Same bits as plain decoding, in two parts:
 Prompt memory: the cells of a prompt filled in chunks are read out of the memory (their bytes, llama.cpp's sequence
 state) when it is filled and kept on the host (the MAX_PROMPTS latest, oldest forgotten first); a later prompt that
 starts with the same tokens has them copied in above every occupied cell instead of computing them, as many as give
-the bits it would compute (`lendable`): its whole chunks, and within the next one a multiple of 4 rows that leaves
+the bits it would compute (`fill.lendable`): its whole chunks, and within the next one a multiple of 4 rows that leaves
 it a call of at least fill.TILED rows (a prompt row's bits depend on its call through the 4-row blocks of the repacked
 kernels and whether the call takes ggml's tiled matmul, which needs fill.TILED rows; docs/algorithms.md §10.5.2),
 never its last fill.TILED rows (their call scores its last row) but to the same prompt, which takes every cell and
@@ -164,7 +164,7 @@ class LlamaModel:
         self.call_times = CallTimes(EXACT_ROWS) if calls == "exact" else None  # a tree's calls (runtime/cost.py)
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         self.cheap_rows, self.min_chunk, self.fill_rows = False, fill.TILED, N_BATCH  # t(n) grows with n; `fill.parts`
-        self.root_in_prompt = True  # the prompt's last row keeps its bits in any calls on the grid (`lendable`)
+        self.root_in_prompt = True  # the prompt's last row keeps its bits in any calls on the grid (`fill.lendable`)
         self.free_ids = list(range(PADDING - 1, -1, -1))
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
         self.dead: list[tuple[int, list[int]]] = []  # (base, extra ids) of caches collected since
@@ -249,7 +249,7 @@ class LlamaModel:
 
     def reuse(self, cache: LlamaCache, tokens: list[int], chunk: int) -> tuple[int, Rows | None]:
         """Into an empty cache, the kept cells of the longest start of `tokens` that a prompt filled in the same
-        chunks may lend it (`lendable`; the same prompt: all, with its last call's result); how many positions it
+        chunks may lend it (`fill.lendable`; the same prompt: all, with its last call's result); how many positions it
         now holds, and that result where it holds them all."""
         best, src = 0, None
         for key in self.prompts:
@@ -259,7 +259,7 @@ class LlamaModel:
             same = next((i for i, (a, b) in enumerate(zip(kept, tokens, strict=False)) if a != b),
                         min(len(kept), len(tokens)))
             whole = same == len(kept) == len(tokens) and self.prompts[key][1] is not None  # the same prompt
-            if (lent := len(kept) if whole else lendable(same, len(kept), len(tokens), chunk)) > best:
+            if (lent := len(kept) if whole else fill.lendable(same, len(kept), len(tokens), chunk)) > best:
                 best, src = lent, key
         if src is None:
             return 0, None
@@ -388,17 +388,6 @@ class LlamaModel:
                         hidden[i].append(np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, k),
                                                                shape=(self.hidden_size,)).copy())
                 k += 1
-
-
-def lendable(same: int, kept: int, wanted: int, chunk: int) -> int:
-    """How many of the `same` first tokens a prompt of `wanted` shares with a kept prompt of `kept`, both filled in
-    calls on the grid of `chunk`, it may take the cells of (module docstring): the whole chunks, and where both
-    computed the next chunk whole, a multiple of 4 rows of it; never so many that the rest of `wanted` is not a
-    call of fill.TILED rows or more (the calls that would have computed it: its last row's logits included)."""
-    g = same // chunk * chunk
-    if min(kept, wanted) >= g + chunk:
-        g += min(same - g, chunk - fill.TILED) // padded.PAD * padded.PAD
-    return max(min(g, (wanted - fill.TILED) // padded.PAD * padded.PAD), 0)
 
 
 def rows_of(rows: list[np.ndarray]) -> np.ndarray:

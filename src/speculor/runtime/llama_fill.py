@@ -193,6 +193,17 @@ def parts(n: int, size: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:] + [n], strict=True)]
 
 
+def lendable(same: int, kept: int, wanted: int, chunk: int) -> int:
+    """How many of the `same` first tokens a prompt of `wanted` shares with a kept prompt of `kept`, both filled in
+    calls on the grid of `chunk`, it may take the cells of (runtime/llama.py's prompt memory): the whole chunks, and
+    where both computed the next chunk whole, a multiple of 4 rows of it; never so many that the rest of `wanted` is
+    not a call of TILED rows or more (the calls that would have computed it: its last row's logits included)."""
+    g = same // chunk * chunk
+    if min(kept, wanted) >= g + chunk:
+        g += min(same - g, chunk - TILED) // padded.PAD * padded.PAD
+    return max(min(g, (wanted - TILED) // padded.PAD * padded.PAD), 0)
+
+
 def copy_in(model: LlamaModel, s: State, base: int, first: int, last: int) -> None:
     """Cells first..last of `s` into the shared memory under the id `base`, above every occupied cell (through
     a spare id: llama.cpp first empties the id it writes to, and the base's earlier cells stay)."""

@@ -6,7 +6,12 @@ records of a bench run: the accepted path is the tree's longest chain equal to t
 draft rows costs t_target(n + 1) of the cached exact cost curve; plain decoding costs t_target(1) a token. The
 ratio is decode speed alone (prefill out), free of the machine's noise, with host time left out.
 
-    [COST=cost.json] python replay.py TARGET_TOKENIZER_DIR SPEC_BENCH_QUESTIONS records.jsonl [records.jsonl ...]
+    [COST=cost.json] [PRICE=cost.json [TIMED=1]] python replay.py TARGET_TOKENIZER_DIR SPEC_BENCH_QUESTIONS \
+        records.jsonl [records.jsonl ...]
+
+PRICE: the curve the drafters decide by (default COST's), as when the machine's curve moved after its profile;
+TIMED=1: that curve corrected by the calls as they are replayed (runtime/cost.Measured, as on llama.cpp), each call
+of k <= 3 rows timed at COST's t(k).
 
 Records files are bench outputs (`speculor bench --out`); each file is replayed as one run (suffix's shared trie and
 trust start empty for each, as a bench round does), prompts in the file's order.
@@ -27,7 +32,7 @@ from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
 from speculor.drafters import lookup, suffix
 from speculor.drafters.base import Shared
-from speculor.runtime.cost import CostModel
+from speculor.runtime.cost import CallTimes, CostModel, Measured
 
 COST = os.environ.get("COST") or next((Path.home() / ".cache/speculor/sequoia").glob(
     "cost--qwen2.5-coder-1.5b-instruct--*b9efb519b46c.json"))  # the embedded pair's exact llama.cpp curve
@@ -40,8 +45,8 @@ def prompt_ids(tok, p) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def replay(drafter, prompt: list[int], out: list[int], cost) -> float:
-    """Seconds of the drafter's steps over `out` (module docstring)."""
+def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | None = None) -> float:
+    """Seconds of the drafter's steps over `out` (module docstring); `calls`: each step's calls timed there."""
     drafter.reset()
     seq, i, t = list(prompt), 0, 0.0
     while i < len(out):
@@ -60,6 +65,10 @@ def replay(drafter, prompt: list[int], out: list[int], cost) -> float:
             path.append(kid)
             node, j = kid, j + 1
         t += cost.t_target(1 + len(toks))
+        if calls is not None:
+            q, r = divmod(1 + len(toks), 3)
+            for k in [3] * q + [r] * (r > 0):
+                calls.add(k, cost.t_target(k))
         drafter.observe(len(seq), Verdict(path, out[j] if j < len(out) else 0))
         n = min(len(path) + 1, len(out) - i)
         seq += out[i:i + n]
@@ -72,27 +81,29 @@ def main() -> None:
     known = {p.id: p for name in ("mtbench", "humaneval", "summarize", "code-edit") for p in sets.load([name])}
     known |= {p.id: p for p in sets.file_set(Path(sys.argv[2]))}
     cost = CostModel.load(Path(COST))
+    profile = CostModel.load(Path(os.environ.get("PRICE") or COST))  # what the drafters decide by
+    timed = bool(os.environ.get("TIMED"))
     runs = []
     for f in sys.argv[3:]:
         rows = [json.loads(line) for line in open(f)]
         runs.append([(r["prompt_id"], prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"]) for r in rows
                      if r["strategy"] == "plain" and r.get("round", 0) == 0 and r["temperature"] == 0])
-    variants = {f"suffix max_spec_factor={f}": (lambda f=f: suffix.SuffixStrategy(
-        suffix.SuffixOptions(budget="auto", max_spec_factor=f), cost)) for f in (1024, 2, 1, 0.5)}
-    variants["ngram (k=8, n=3, auto)"] = lambda: Shared(partial(lookup.NgramDrafter, cost=cost))
+    variants = {f"suffix max_spec_factor={f}": (lambda price, f=f: suffix.SuffixStrategy(
+        suffix.SuffixOptions(budget="auto", max_spec_factor=f), price)) for f in (1024, 2, 1, 0.5)}
+    variants["ngram (k=8, n=3, auto)"] = lambda price: Shared(partial(lookup.NgramDrafter, cost=price))
     print(f"t(n)/t(1), n = 1..8: {[round(cost.t_target(n) / cost.t_target(1), 2) for n in range(1, 9)]}")
     for name, make in variants.items():
         per: dict[str, list[float]] = {}
         for run in runs:
-            strategy = make()
+            calls = CallTimes(3) if timed else None  # a fresh process a run
+            strategy = make(Measured(profile, calls) if calls else profile)
             for pid, prompt, out in run:
                 drafter = strategy.drafter()  # a request's own, as the engine makes it
                 s = pid.split("/")[0].lower()
                 per.setdefault(s, [0.0, 0.0])
-                per[s][0] += replay(drafter, prompt, out, cost)
+                per[s][0] += replay(drafter, prompt, out, cost, calls)
                 per[s][1] += len(out) * cost.t_target(1)
         print(f"{name}: " + ", ".join(f"{s} {b / a:.3f}x" for s, (a, b) in per.items()), flush=True)
-
 
 if __name__ == "__main__":
     main()
