@@ -17,10 +17,10 @@ from support.server import TEXTS, tiny_pair
 
 from speculor.bench import machine
 from speculor.bench import run as bench
-from speculor.bench.checks import check, predicted_speedup, start_warnings
+from speculor.bench.checks import check, predicted_speedup, start_warnings, timed_note
 from speculor.bench.prompts import Prompt
 from speculor.bench.summary import summarize
-from speculor.runtime.cost import CostModel
+from speculor.runtime.cost import CallTimes, CostModel
 
 # t_target: 1.0 s for one row, 1.2 for 2-4, 1.5 for 8; t_draft 0.1 s a row-block
 COST = CostModel((1, 2, 4, 8), (1.0, 1.2, 1.2, 1.5), (1, 2, 4, 8), (0.1, 0.12, 0.15, 0.2))
@@ -70,6 +70,17 @@ def test_a_quiet_run_has_no_warning_and_matches_the_cost_model() -> None:
     assert chain["predicted_speedup"] == pytest.approx(10 / 7.5) and chain["model_check"] == "ok"
     assert summary["ngram"]["predicted_speedup"] == pytest.approx(1 / 1.2) and summary["plain"]["warnings"] == []
     assert summary["plain"]["predicted_speedup"] is None
+
+
+def test_the_timed_calls_are_noted_beside_the_profile() -> None:
+    calls = CallTimes(3)
+    assert timed_note(None, None) is None and timed_note(calls, None) is None  # nothing timed: no note
+    for _ in range(CallTimes.SEEN):
+        calls.add(1, 0.05)
+        calls.add(3, 0.12)
+    profile = CostModel((1, 2, 3), (0.05, 0.075, 0.09), (1, 2, 3), (0.0, 0.0, 0.0))
+    assert timed_note(calls, profile).endswith("t(3)/t(1) 2.40 (profile 1.80)")
+    assert timed_note(calls, None).endswith("t(3)/t(1) 2.40")
 
 
 def test_plain_measured_slow_in_one_round_is_named() -> None:

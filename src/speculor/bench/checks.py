@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from speculor.bench.summary import by_round, tokens_per_s
-from speculor.runtime.cost import CostModel
+from speculor.runtime.cost import CallTimes, CostModel
 
 DISTURBED_CORES = 0.25  # mean cores used by other processes during a measurement
 PLAIN_DRIFT = 0.10  # max/min - 1 of plain's tokens/s between rounds
@@ -58,6 +58,17 @@ def start_warnings(load: dict[str, Any]) -> list[str]:
         return [f"machine busy when the run started: other processes kept {others:.2f} of {load.get('cores')} cores "
                 f"busy (1-minute load average {load.get('load_avg_1m')})"]
     return []
+
+
+def timed_note(calls: CallTimes | None, profile: CostModel | None) -> str | None:
+    """The target's calls as last timed (runtime/cost.py `CallTimes`: what ngram's and suffix's auto cuts priced rows
+    by at the end of the run) beside the profile's ratios; None where nothing was timed."""
+    timed = {k: r for k in (2, 3) if calls is not None and (r := calls.ratio(k)) is not None}
+    if not timed:
+        return None
+    said = ", ".join(f"t({k})/t(1) {r:.2f}" + (f" (profile {profile.t_target(k) / profile.t_target(1):.2f})"
+                                               if profile is not None else "") for k, r in timed.items())
+    return f"the target's calls as last timed (moving averages; the model-free cuts price rows by them): {said}"
 
 
 def check(summary: dict[str, Any], records: list[dict[str, Any]], temps: list[float],

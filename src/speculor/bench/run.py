@@ -27,7 +27,7 @@ from speculor.api import Speculor
 from speculor.bench import machine
 from speculor.bench import prompts as prompt_sets
 from speculor.bench.batch import format_batched, run_batched, sampling, summarize_batched
-from speculor.bench.checks import check, start_warnings
+from speculor.bench.checks import check, start_warnings, timed_note
 from speculor.bench.config import QUICK_NOTE, BenchConfig
 from speculor.bench.peers import PEERS, peer_generate, unfit
 from speculor.bench.specs import Spec
@@ -118,6 +118,8 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
     if setup_peak is not None:
         notes.append(f"peak memory before the first generation (loading, packing, profiling, warm-up): "
                      f"{setup_peak:.1f} GiB; per generation: the table's peak column")
+    if (timed := timed_note(sp.pair.target.call_times, _profile(sp.pair))) is not None:
+        notes.append(timed)
     for line in notes + [f"warning: {w}" for w in warnings]:
         print(line)
     if cfg.out:
@@ -178,6 +180,13 @@ def _cost(sp: Speculor):
     from speculor.runtime.profiling import machine_cost
 
     return machine_cost(sp.pair)
+
+
+def _profile(pair: Pair):
+    """This machine's cost curve where one is cached, else None (nothing is profiled for a note)."""
+    from speculor.runtime.cost import CostModel, cost_path
+
+    return CostModel.load(path) if (path := cost_path(pair)).exists() else None
 
 
 def _run_batched(cfg: BenchConfig, sp: Speculor, specs: list[Spec], prompts: list, encoded: list[list[int]]) -> dict:
