@@ -118,7 +118,7 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
     if setup_peak is not None:
         notes.append(f"peak memory before the first generation (loading, packing, profiling, warm-up): "
                      f"{setup_peak:.1f} GiB; per generation: the table's peak column")
-    if (timed := timed_note(sp.pair.target.call_times, _profile(sp.pair))) is not None:
+    if (calls := sp.pair.target.call_times) is not None and (timed := timed_note(calls, _profile(sp.pair))):
         notes.append(timed)
     for line in notes + [f"warning: {w}" for w in warnings]:
         print(line)
