@@ -5,6 +5,7 @@ and a steep one (llama.cpp-like: t(2) = 1.6 t(1), a draft forward half a target 
 from __future__ import annotations
 
 import pytest
+from support.costs import GENTLE, timed
 
 from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
@@ -77,18 +78,6 @@ def test_ngram_in_a_batch_prices_the_batch_s_step():
     assert step(d, seq, 0) == 0
     d.ledger = BatchLedger()
     assert step(d, seq, 8) > 0 and d.expected_tokens > 1
-
-
-GENTLE = CostModel(N, tuple(0.05 * (1 + 0.15 * (n - 1)) for n in N), N, tuple(0.0 for _ in N))
-
-
-def timed(ratios: dict[int, float], times: int = CallTimes.SEEN) -> CallTimes:
-    """Calls of k rows timed at ratios[k] x a one-row call's 0.05 s, `times` each."""
-    calls = CallTimes(3)
-    for _ in range(times):
-        for k, r in ratios.items():
-            calls.add(k, 0.05 * r)
-    return calls
 
 
 def test_timed_calls_reprice_the_curve():

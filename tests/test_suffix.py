@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 from support.batch import run_batch
+from support.costs import GENTLE, timed
 from support.stats import goodness_of_fit
 from support.toy import N, V, exact_law, plain_greedy, random_toy
 
@@ -27,7 +28,7 @@ from speculor.drafters.registry import make_strategy, options_of
 from speculor.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixStrategy
 from speculor.engine.drafting import drive
 from speculor.errors import SpeculorError
-from speculor.runtime.cost import CallTimes, CostModel, Measured
+from speculor.runtime.cost import CostModel, Measured
 from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 
@@ -307,7 +308,6 @@ SIZES = tuple(range(1, 17))
 FLAT = CostModel(SIZES, tuple(0.5 + 0.01 * n for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
 STEEP = CostModel(SIZES, tuple(0.05 * (1 + 0.6 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
 UNCAPPED = 1024  # max_spec_factor: no cap by the match's length (tests of the curve's cut)
-GENTLE = CostModel(SIZES, tuple(0.05 * (1 + 0.15 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))
 
 
 def step(drafter: SuffixDrafter, seq: list[int], accept: bool) -> int:
@@ -350,10 +350,7 @@ def test_auto_prices_by_the_timed_calls_unless_seeded():
     call, nothing pays; a seeded sampled request cuts by the profile alone (its tree follows from its seed)."""
     twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]
     auto = SuffixOptions(budget="auto", shared=False, max_spec_factor=UNCAPPED)
-    calls = CallTimes(3)
-    for _ in range(CallTimes.SEEN):
-        for k, ratio in ((1, 1.0), (2, 4.0), (3, 9.0)):  # rows far dearer than the profile says
-            calls.add(k, 0.05 * ratio)
+    calls = timed({1: 1.0, 2: 4.0, 3: 9.0})  # rows far dearer than the profile says
     profile = step(SuffixDrafter(auto, cost=GENTLE), twice, True)
     assert profile >= 2 and step(SuffixDrafter(auto, cost=Measured(GENTLE, calls)), twice, True) == 0
     seeded = drive(SuffixDrafter(auto, cost=Measured(GENTLE, calls)).propose(twice, SamplingConfig(0.7, seed=5), None))
