@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections import defaultdict
 
 import pytest
@@ -31,7 +32,7 @@ from speculor.core.tree import (
     shape_levels,
 )
 from speculor.core.verify import verify_sampled
-from speculor.drafters.lookup import ngram_continuations
+from speculor.drafters.lookup import NgramIndex, matches, ngram_continuations
 from speculor.errors import SpeculorError
 
 # ---------------------------------------------------------------- tree structure: depths, masks, positions, DraftTree
@@ -278,6 +279,21 @@ def test_ngram_continuations():
     assert ngram_continuations([1, 2, 3], 3, 4, 1) == []
     assert ngram_continuations([4], 3, 4, 1) == []
     assert ngram_continuations([7, 7, 7], 3, 4, 2) == [[7], [7, 7]]  # overlapping matches run to the end
+
+
+def test_the_ngram_index_finds_what_the_scan_finds_as_the_sequence_grows():
+    """The drafter's index (NgramIndex) against the scan it replaces, token by token over random sequences of a
+    small vocabulary (many repeats), several options; and from scratch where a sequence does not extend the last."""
+    rng = random.Random(0)
+    for trial in range(40):
+        n_max, k, branches = rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 4)
+        index, seq = NgramIndex(n_max), []
+        for _ in range(60):
+            seq.append(rng.randrange(3 + trial % 5))
+            assert index.matches(seq, k, branches) == matches(seq, n_max, k, branches)
+        other = seq[:30] + [9] + seq[31:]  # no longer what was indexed
+        assert index.matches(other, k, branches) == matches(other, n_max, k, branches)
+        assert index.tokens == other
 
 
 # ---------------------------------------------------------------- child samplers
