@@ -25,7 +25,7 @@ from speculor.core.suffix import SuffixCache, SuffixTrie
 from speculor.core.verify import Verdict
 from speculor.drafters.base import BatchLedger
 from speculor.drafters.registry import make_strategy, options_of
-from speculor.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixStrategy
+from speculor.drafters.suffix import PRIOR, SuffixDrafter, SuffixOptions, SuffixStrategy
 from speculor.engine.drafting import drive
 from speculor.errors import SpeculorError
 from speculor.runtime.cost import CostModel, Measured
@@ -371,6 +371,19 @@ def test_a_short_match_drafts_little():
         assert (step(capped, once, True), step(free, once, True)) == (2, 10), (budget, cost)
     with pytest.raises(SpeculorError, match="max_spec_factor"):
         SuffixOptions(max_spec_factor=0)
+
+
+def test_trust_settles_at_what_the_target_accepts_over_what_the_counts_promise():
+    """A bucket whose P = 1 continuations of 2 nodes are accepted one node in two: trust → 1/2 (prior aside). Over
+    Σ v (trust-scaled values) it would settle at √(1/2) ≈ 0.71, the counts' overstatement half believed."""
+    twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # 10 11 -> 12 13 twice: P = 1, 1
+    d = SuffixDrafter(SuffixOptions(budget="auto", shared=False), cost=FLAT)  # rows free: it keeps drafting
+    for _ in range(500):
+        tree = drive(d.propose(twice, GREEDY, None))
+        assert len(tree) == 2
+        d.observe(len(twice), Verdict([0], 0))  # the first node accepted, the second not
+        d.reset()
+    assert d.trust.of(2) == pytest.approx((500 + PRIOR) / (1000 + PRIOR))
 
 
 def test_trust_is_learned_per_match_length_and_shared_by_the_strategy_s_requests():

@@ -21,7 +21,7 @@ Tree size:
                     (core/goodput.py `best_prefix`), so under load a row must pay for the whole call it grows, and
                     beside other rows the best cut must beat the plain step by MARGIN (the model's error band)
 
-                    trust(m) = (accepted + PRIOR) / (Σ v drafted + PRIOR) over earlier drafts after a match whose
+                    trust(m) = (accepted + PRIOR) / (Σ P drafted + PRIOR) over earlier drafts after a match whose
                     length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the target
                     accepts (1 until something was verified). Learned online by the strategy, across its requests
                     (a seeded sampled request learns its own, as it reads its own trie); both sums of a bucket fade
@@ -221,7 +221,9 @@ class SuffixDrafter(BatchAware):
         if self.asked:
             self.fallback.observe(n_committed, verdict)
         elif self.candidate.tokens and self.cost is not None:
-            self.trust.learn(self.candidate.match, len(verdict.path), sum(self.values))
+            # over Σ P, not Σ v: v = trust · P would settle trust at √(accepted / Σ P), a bucket's overstated counts
+            # half believed
+            self.trust.learn(self.candidate.match, len(verdict.path), self.candidate.score)
         if n_committed == self.known:  # the step's tokens, now: the last step of a request is never proposed after
             self._index([self.tokens[i] for i in verdict.path] + [verdict.token], output=True)
 
