@@ -4,6 +4,8 @@ and a steep one (llama.cpp-like: t(2) = 1.6 t(1), a draft forward half a target 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from support.costs import GENTLE, timed
 
@@ -13,6 +15,8 @@ from speculor.drafters.base import BatchLedger
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.ngram import NgramDrafter
 from speculor.engine.drafting import drive
+from speculor.runtime import cost as cost_module
+from speculor.runtime import profiling
 from speculor.runtime.choice import acceptance, predicted
 from speculor.runtime.cost import CallTimes, CostModel, Measured, steady
 
@@ -97,6 +101,32 @@ def test_timed_calls_reprice_the_curve():
     assert calls.n[1:] == [CallTimes.SEEN, 0, CallTimes.SEEN]
     calls.add(3, 0.05 * 3.4)  # a call moves its size's average by ALPHA
     assert calls.ratio(3) == pytest.approx(2.4 + CallTimes.ALPHA * 1.0)
+
+
+def test_a_profile_the_machine_moved_off_is_measured_again(tmp_path, monkeypatch):
+    """`drifted`: t(k)/t(1) timed now off the profile's by more than STALE; `cached_cost` then measures and saves
+    anew, once a process (a seeded sampled request's tree follows from the curve it reads); a profile within STALE,
+    or a target that does not time its calls (torch), is read as saved."""
+    pi = {k: GENTLE.t_target(k) / GENTLE.t_target(1) for k in (2, 3)}
+    now = {}
+    monkeypatch.setattr(profiling, "time_forwards", lambda model, sizes, **kw: [now[n] for n in sizes])
+    now.update({1: 1.0, 2: pi[2] * 1.1, 3: pi[3] * 0.9})
+    assert not profiling.drifted(None, GENTLE)
+    now[3] = pi[3] * 1.2  # t(3)/t(1) 20% dearer than profiled
+    assert profiling.drifted(None, GENTLE)
+    fresh = CostModel((1, 2), (1.0, 2.0), (1, 2), (0.0, 0.0))
+    path = tmp_path / "cost.json"
+    GENTLE.save(path)
+    for stale, want in ((lambda c: False, GENTLE.target_s), (lambda c: True, fresh.target_s)):
+        monkeypatch.setattr(cost_module, "_COSTS", {})
+        got = cost_module.cached_cost(path, lambda: fresh, stale)
+        assert got.target_s == want and CostModel.load(path).target_s == want
+        assert cost_module.cached_cost(path, lambda: GENTLE, lambda c: True) is got  # once a process
+    monkeypatch.setattr(cost_module, "_COSTS", {})
+    torch_like = SimpleNamespace(target=SimpleNamespace(call_times=None), draft=None)
+    monkeypatch.setattr(profiling, "cost_path", lambda pair: path)
+    monkeypatch.setattr(profiling, "drifted", lambda *a: pytest.fail("a torch target's profile is not re-timed"))
+    assert profiling.machine_cost(torch_like).target_s == fresh.target_s
 
 
 def test_ngram_prices_its_cut_by_the_timed_calls_unless_seeded():

@@ -165,13 +165,14 @@ def cost_path(pair: Pair) -> Path:
 _COSTS: dict[Path, CostModel] = {}  # the profiles read or measured in this process, by file
 
 
-def cached_cost(path: Path, measure: Callable[[], CostModel]) -> CostModel:
-    """The cost model saved at `path`, read once per process; where there is none, `measure()`'s, saved there."""
+def cached_cost(path: Path, measure: Callable[[], CostModel],
+                stale: Callable[[CostModel], bool] | None = None) -> CostModel:
+    """The cost model saved at `path`, read once per process; where there is none, or `stale(saved)` says the machine
+    has moved off it, `measure()`'s, saved there."""
     if path not in _COSTS:
-        if path.exists():
-            _COSTS[path] = CostModel.load(path)
-        else:
+        cost = CostModel.load(path) if path.exists() else None
+        if cost is None or (stale is not None and stale(cost)):
             cost = measure()
             cost.save(path)
-            _COSTS[path] = cost
+        _COSTS[path] = cost
     return _COSTS[path]

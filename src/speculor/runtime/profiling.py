@@ -1,6 +1,7 @@
 """Measuring this machine's cost curve (runtime/cost.py's `CostModel`) on a pair's models: `time_forwards` times one
 model's forwards, `profile_cost` the pair's, and `machine_cost` is the pair's cached profile, measured once where none
-is cached (a minute or two; what Sequoia's, DySpec's and the other strategies' `budget="auto"` read)."""
+is cached (a minute or two; what Sequoia's, DySpec's and the other strategies' `budget="auto"` read), and again where
+the target's exact calls, timed at the first read in a process, have moved off it (`drifted`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from speculor.runtime.model import Model
 logger = logging.getLogger("speculor")
 
 
+STALE = 0.15  # how far t(k)/t(1) timed now may be off the cached profile's (relative) before it is measured again
 SIZES = (*range(1, 17), 24, 32, 48, 64, 96, 128)  # block sizes timed (every one to 16: llama.cpp's curve is a
 # sawtooth, t(n) = t(3) per 3 rows + the rest, runtime/llama.py); others interpolated
 
@@ -79,16 +81,33 @@ def profile_cost(pair: Pair, sizes: Sequence[int] = SIZES, *, repeats: int = 3, 
     return CostModel(tuple(sizes), tuple(t), tuple(sizes), tuple(d), tuple(sorted(machine_key(pair).items())))
 
 
+def drifted(model: Model, cost: CostModel, sizes: Sequence[int] = (2, 3), repeats: int = 5) -> bool:
+    """Whether the model's blocks of k rows, timed now against one row, are off the profile's t(k)/t(1) by more than
+    STALE for some k in sizes: the curve the budgets priced by is no longer the machine's (llama.cpp's kernels on a
+    shared CPU: 1.53 cached, 1.8 measured for t(2)/t(1) on another day)."""
+    now = time_forwards(model, (1, *sizes), repeats=repeats)
+    return any(abs(now[i] / now[0] / (cost.t_target(k) / cost.t_target(1)) - 1) > STALE
+               for i, k in enumerate(sizes, 1))
+
+
 def machine_cost(pair: Pair, *, progress: bool = True) -> CostModel:
-    """The cached cost model of this machine and pair; profiles once (a minute or two) if there is none."""
+    """The cached cost model of this machine and pair; profiles (a minute or two) if there is none, or, where the
+    target times its exact calls (llama.cpp), if its first read in this process finds it `drifted`. Once a process:
+    a seeded sampled request's tree, priced by it, follows from its seed for the process's life."""
     path = cost_path(pair)
 
     def measure() -> CostModel:
-        logger.warning("speculor: profiling forward times on this machine for --budget auto (once; cached in %s)",
-                       path)
+        logger.warning("speculor: profiling forward times on this machine for --budget auto (cached in %s)", path)
         return profile_cost(pair, progress=progress)
 
-    return cached_cost(path, measure)
+    def stale(cost: CostModel) -> bool:
+        if pair.target.call_times is None or not drifted(pair.target, cost):
+            return False
+        logger.warning("speculor: the target's calls have moved off the cached cost profile by more than %d%%",
+                       round(STALE * 100))
+        return True
+
+    return cached_cost(path, measure, stale)
 
 
 def live_cost(pair: Pair, *, progress: bool = True) -> CostModel | Measured:
