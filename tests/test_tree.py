@@ -32,7 +32,7 @@ from speculor.core.tree import (
     shape_levels,
 )
 from speculor.core.verify import verify_sampled
-from speculor.drafters.lookup import NgramIndex, matches, ngram_continuations
+from speculor.drafters.lookup import NgramIndex, ngram_continuations
 from speculor.errors import SpeculorError
 
 # ---------------------------------------------------------------- tree structure: depths, masks, positions, DraftTree
@@ -281,8 +281,22 @@ def test_ngram_continuations():
     assert ngram_continuations([7, 7, 7], 3, 4, 2) == [[7], [7, 7]]  # overlapping matches run to the end
 
 
+def scan(seq: list[int], n_max: int, k: int, branches: int) -> list[tuple[int, list[int]]]:
+    """Prompt lookup by brute force, the scan the index replaced: every earlier start of the last n tokens, n = n_max
+    down to 1, the most recent first; distinct continuations, at most `branches`."""
+    out: list[tuple[int, list[int]]] = []
+    for n in range(min(n_max, len(seq) - 1), 0, -1):
+        for start in range(len(seq) - n - 1, -1, -1):
+            cont = seq[start + n:start + n + k]
+            if seq[start:start + n] == seq[-n:] and all(cont != c for _, c in out):
+                out.append((n, cont))
+                if len(out) >= branches:
+                    return out
+    return out
+
+
 def test_the_ngram_index_finds_what_the_scan_finds_as_the_sequence_grows():
-    """The drafter's index (NgramIndex) against the scan it replaces, token by token over random sequences of a
+    """The drafter's index (NgramIndex) against a brute-force scan, token by token over random sequences of a
     small vocabulary (many repeats), several options; and from scratch where a sequence does not extend the last."""
     rng = random.Random(0)
     for trial in range(40):
@@ -290,9 +304,9 @@ def test_the_ngram_index_finds_what_the_scan_finds_as_the_sequence_grows():
         index, seq = NgramIndex(n_max), []
         for _ in range(60):
             seq.append(rng.randrange(3 + trial % 5))
-            assert index.matches(seq, k, branches) == matches(seq, n_max, k, branches)
+            assert index.matches(seq, k, branches) == scan(seq, n_max, k, branches)
         other = seq[:30] + [9] + seq[31:]  # no longer what was indexed
-        assert index.matches(other, k, branches) == matches(other, n_max, k, branches)
+        assert index.matches(other, k, branches) == scan(other, n_max, k, branches)
         assert index.tokens == other
 
 

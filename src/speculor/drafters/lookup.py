@@ -30,27 +30,12 @@ from speculor.runtime.cost import steady
 def ngram_continuations(seq: Sequence[int], n_max: int, k: int, branches: int) -> list[list[int]]:
     """Prompt lookup: up to `branches` distinct continuations (≤ k tokens each) of earlier occurrences of the
     last n tokens of seq, for n = n_max down to 1, the most recent occurrence first."""
-    return [c for _, c in matches(seq, n_max, k, branches)]
-
-
-def matches(seq: Sequence[int], n_max: int, k: int, branches: int) -> list[tuple[int, list[int]]]:
-    """`ngram_continuations` with the length n of the n-gram each continuation was found by."""
-    out: list[tuple[int, list[int]]] = []
-    for n in range(min(n_max, len(seq) - 1), 0, -1):
-        suffix = list(seq[-n:])
-        for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start + n - 1] == suffix[-1] and list(seq[start:start + n]) == suffix:
-                cont = list(seq[start + n:start + n + k])
-                if all(cont != c for _, c in out):
-                    out.append((n, cont))
-                if len(out) >= branches:
-                    return out
-    return out
+    return [c for _, c in NgramIndex(n_max).matches(seq, k, branches)]
 
 
 class NgramIndex:
-    """The starts of every n-gram (n <= n_max) of a growing sequence: `matches` by lookup rather than by a scan of
-    the whole sequence at every step (O(n_max) a token indexed, then O(1) a step where the first start serves)."""
+    """The starts of every n-gram (n <= n_max) of a growing sequence, so that a step's `matches` is a lookup rather
+    than a scan of the whole sequence (O(n_max) a token indexed, then O(1) a step where the first start serves)."""
 
     def __init__(self, n_max: int) -> None:
         self.n_max = n_max
@@ -68,7 +53,8 @@ class NgramIndex:
         self.tokens.extend(seq[len(self.tokens):])
 
     def matches(self, seq: Sequence[int], k: int, branches: int) -> list[tuple[int, list[int]]]:
-        """`matches(seq, n_max, k, branches)`, after indexing seq."""
+        """`ngram_continuations(seq, n_max, k, branches)` with the length n of the n-gram each was found by, after
+        indexing seq."""
         self.extend(seq)
         seq, out = self.tokens, []
         for n in range(min(self.n_max, len(seq) - 1), 0, -1):
