@@ -23,9 +23,10 @@ from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.suffix import SuffixCache, SuffixTrie
 from speculor.core.verify import Verdict
+from speculor.drafters import suffix
 from speculor.drafters.base import BatchLedger
 from speculor.drafters.registry import make_strategy, options_of
-from speculor.drafters.suffix import PRIOR, SuffixDrafter, SuffixOptions, SuffixStrategy
+from speculor.drafters.suffix import PRIOR, TRUST_0, SuffixDrafter, SuffixOptions, SuffixStrategy
 from speculor.engine.drafting import drive
 from speculor.errors import SpeculorError
 from speculor.runtime.cost import CostModel, Measured
@@ -310,6 +311,12 @@ STEEP = CostModel(SIZES, tuple(0.05 * (1 + 0.6 * (n - 1)) for n in SIZES), SIZES
 UNCAPPED = 1024  # max_spec_factor: no cap by the match's length (tests of the curve's cut)
 
 
+@pytest.fixture
+def counts_at_their_word(monkeypatch):
+    """Trust 1 before anything is verified, in every bucket: the tests of the curve's cut and of what is learned."""
+    monkeypatch.setattr(suffix, "TRUST_0", (1.0,) * len(TRUST_0))
+
+
 def step(drafter: SuffixDrafter, seq: list[int], accept: bool) -> int:
     """One proposal after seq; the target accepts the whole first path or nothing. Its size."""
     tree = drive(drafter.propose(seq, GREEDY, None))
@@ -321,6 +328,7 @@ def step(drafter: SuffixDrafter, seq: list[int], accept: bool) -> int:
     return len(tree)
 
 
+@pytest.mark.usefixtures("counts_at_their_word")
 def test_auto_cuts_to_what_the_curve_pays_and_learns():
     once = list(range(10, 20)) + [10, 11]  # 10 11 followed once before: P = 1 for each of the 10 tokens after
     half = [10, 11, 12, 1, 10, 11, 13, 2, 10, 11]  # 10 11 -> 12 once, -> 13 once: P = 1/2 each
@@ -357,6 +365,7 @@ def test_auto_prices_by_the_timed_calls_unless_seeded():
     assert len(seeded) == profile
 
 
+@pytest.mark.usefixtures("counts_at_their_word")
 def test_a_short_match_drafts_little():
     """Arctic's max_spec_factor: at most ⌈factor · match⌉ nodes, whatever the budget; the default (1) cuts a
     continuation seen once after a 2-token match to 2 nodes, where without it the curve takes all 10."""
@@ -373,6 +382,7 @@ def test_a_short_match_drafts_little():
         SuffixOptions(max_spec_factor=0)
 
 
+@pytest.mark.usefixtures("counts_at_their_word")
 def test_trust_settles_at_what_the_target_accepts_over_what_the_counts_promise():
     """A bucket whose P = 1 continuations of 2 nodes are accepted one node in two: trust → 1/2 (prior aside). Over
     Σ v (trust-scaled values) it would settle at √(1/2) ≈ 0.71, the counts' overstatement half believed."""
@@ -386,6 +396,7 @@ def test_trust_settles_at_what_the_target_accepts_over_what_the_counts_promise()
     assert d.trust.of(2) == pytest.approx((500 + PRIOR) / (1000 + PRIOR))
 
 
+@pytest.mark.usefixtures("counts_at_their_word")
 def test_trust_is_learned_per_match_length_and_shared_by_the_strategy_s_requests():
     strategy = SuffixStrategy(SuffixOptions(budget="auto", shared=False), cost=STEEP)
     twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # match of 2 tokens
@@ -400,6 +411,26 @@ def test_trust_is_learned_per_match_length_and_shared_by_the_strategy_s_requests
     assert len(tree) == 2 and seeded.trust is seeded.own_trust
     strategy.forget()
     assert strategy.trust.of(2) == 1  # a bench round starts afresh
+
+
+def test_a_request_starts_from_the_prior_trust_of_its_match_length():
+    """Before anything is verified a bucket's trust is TRUST_0's: a 2-token match's certain continuation (P = 1) is
+    believed at 0.45, under the 0.6 a row costs on the steep curve, a 6-token one's at 0.8; a seeded sampled request
+    starts from the same prior, and steps move the trust off it. Trust 1 to start drafts both (the control)."""
+    twice = [1, 10, 11, 12, 13, 2, 10, 11, 12, 13, 3, 10, 11]  # match of 2 tokens, P = 1, 1
+    long = [7, 8, 9, 10, 11, 12, 13, 1, 7, 8, 9, 10, 11, 12, 13, 2, 7, 8, 9, 10, 11, 12]  # 6-token match, P = 1
+    auto = SuffixOptions(budget="auto", shared=False, max_spec_factor=UNCAPPED)
+    sampled = SamplingConfig(temperature=0.7, seed=1)
+    fresh = SuffixStrategy(auto, cost=STEEP)
+    assert step(fresh.drafter(), twice, True) == 0 and step(fresh.drafter(), long, True) > 0
+    seeded = fresh.drafter()
+    assert len(drive(seeded.propose(twice, sampled, torch.Generator().manual_seed(1)))) == 0
+    assert seeded.own_trust.of(2) == pytest.approx(TRUST_0[1]) and seeded.own_trust.of(6) == pytest.approx(TRUST_0[3])
+    seeded.own_trust.learn(2, 40, 40.0)  # every drafted token accepted: the counts' word is good after all
+    assert len(drive(seeded.propose(twice, sampled, torch.Generator().manual_seed(1)))) == 2
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(suffix, "TRUST_0", (1.0,) * len(TRUST_0))
+        assert step(SuffixStrategy(auto, cost=STEEP).drafter(), twice, True) == 2
 
 
 def test_in_a_batch_auto_prices_the_batch_s_step():

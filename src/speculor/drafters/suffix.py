@@ -21,14 +21,15 @@ Tree size:
                     (core/goodput.py `best_prefix`), so under load a row must pay for the whole call it grows, and
                     beside other rows the best cut must beat the plain step by MARGIN (the model's error band)
 
-                    trust(m) = (accepted + PRIOR) / (Σ P drafted + PRIOR) over earlier drafts after a match whose
-                    length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the target
-                    accepts (1 until something was verified). Learned online by the strategy, across its requests
-                    (a seeded sampled request learns its own, as it reads its own trie); both sums of a bucket fade
-                    by DECAY at each step that has a match in it and drafts nothing, so a bucket given up on is tried
-                    again, rarely: a 1-token match on chat text is seldom followed as it was before, a 9-token one
-                    nearly always. t_target follows the target's calls as they are timed (runtime/cost.Measured;
-                    a seeded sampled request's: the profile alone).
+                    trust(m) = (accepted + PRIOR · τ₀(m)) / (Σ P drafted + PRIOR) over earlier drafts after a match
+                    whose length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the
+                    target accepts, from the prior TRUST_0 (τ₀; a 1-token match on chat or code is followed a third
+                    of the time its counts say, a 9-token one nearly always) until something was verified there.
+                    Learned online by the strategy, across its requests (a seeded sampled request learns its own, as
+                    it reads its own trie, from the same prior: its tree still follows from its seed); both sums of a
+                    bucket fade by DECAY at each step that has a match in it and drafts nothing, so a bucket given up
+                    on returns to its prior. t_target follows the target's calls as they are timed
+                    (runtime/cost.Measured; a seeded sampled request's: the profile alone).
 Hybrid (`fallback`, built by the registry: dyspec or eagle with budget "auto"): a step where the tries draft nothing
 worth its rows asks the fallback, a draft model's or a head's tree sized by the same cost curve, which itself drafts
 only where its predicted rate beats a plain step (and catches up over the tokens it missed only then). Suffix first,
@@ -60,9 +61,12 @@ from speculor.runtime.profiling import live_cost
 
 DEFAULT_BUDGET = 16  # draft tokens per step where the target's rows are cheap (torch); else "auto" (llama.cpp)
 AUTO_CAP = 64  # most draft tokens per step with budget "auto"
-PRIOR = 2.0  # pseudo-tokens of trust 1: the counts are taken at their word until steps say otherwise
+PRIOR = 2.0  # pseudo-tokens of the prior trust TRUST_0: what steps say outweighs it after a few drafts
 DECAY = 0.999  # what a bucket keeps of its sums at each step that matches in it and drafts nothing (half-life ~700)
 MATCH_EDGES = (1, 2, 3, 5, 9)  # lower edges of the match-length buckets the trust is learned in
+# accepted / Σ P per bucket, drafting at every match, replayed on plain answers of the embedded sets (Spec-Bench's
+# read 0.35-0.63 alike, 0.76-0.83 over 5+ tokens; docs/bench/cpu-suffix/prior)
+TRUST_0 = (0.35, 0.45, 0.55, 0.8, 0.95)
 ON_OFF = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
 
 
@@ -109,7 +113,7 @@ class Trust:
 
     def of(self, match: int) -> float:
         b = _bucket(match)
-        return (self.accepted[b] + PRIOR) / (self.drafted[b] + PRIOR)
+        return (self.accepted[b] + PRIOR * TRUST_0[b]) / (self.drafted[b] + PRIOR)
 
     def learn(self, match: int, accepted: int, drafted: float) -> None:
         b = _bucket(match)
