@@ -45,8 +45,9 @@ def prompt_ids(tok, p) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | None = None) -> float:
-    """Seconds of the drafter's steps over `out` (module docstring); `calls`: each step's calls timed there."""
+def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | None = None, on_step=None) -> float:
+    """Seconds of the drafter's steps over `out` (module docstring); `calls`: each step's calls timed there;
+    `on_step(drafter, tokens, path)` sees each step's tree and its accepted path."""
     drafter.reset()
     seq, i, t = list(prompt), 0, 0.0
     while i < len(out):
@@ -64,6 +65,8 @@ def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | 
                 break
             path.append(kid)
             node, j = kid, j + 1
+        if on_step is not None:
+            on_step(drafter, toks, path)
         t += cost.t_target(1 + len(toks))
         if calls is not None:
             q, r = divmod(1 + len(toks), 3)

@@ -2,7 +2,7 @@
 model: no selection by trust), replayed on plain greedy outputs. Usage: trust_stats.py TOK QUESTIONS records..."""
 import collections, json, os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../factor"))
-from replay import prompt_ids, sets, Path, AutoTokenizer, SamplingConfig, Verdict
+from replay import COST, AutoTokenizer, CostModel, Path, prompt_ids, replay, sets
 from speculor.drafters import suffix
 
 K = int(os.environ.get("K", "2"))
@@ -10,6 +10,7 @@ TEMP = float(os.environ.get("TEMP", "0"))  # sampled answers: a draft token is "
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 known = {p.id: p for name in ("mtbench", "humaneval", "summarize", "code-edit") for p in sets.load([name])}
 known |= {p.id: p for p in sets.file_set(Path(sys.argv[2]))}
+cost = CostModel.load(Path(COST))  # replay prices the steps; only the counts are read here
 stats = collections.defaultdict(lambda: [0, 0.0, 0])  # (set, bucket) -> steps, ΣP, accepted
 for f in sys.argv[3:]:
     rows = [json.loads(l) for l in open(f)]
@@ -18,28 +19,14 @@ for f in sys.argv[3:]:
         if r["strategy"] != "plain" or r.get("round", 0) != 0 or r["temperature"] != TEMP:
             continue
         s = r["prompt_id"].split("/")[0].lower()
-        d = strategy.drafter(); d.reset()
-        seq, out, i = prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"], 0
-        while i < len(out):
-            gen = d.propose(seq, SamplingConfig(), None)
-            try:
-                next(gen)
-            except StopIteration as stop:
-                tree = stop.value
-            toks, parents = tree.tokens.tolist(), tree.parents.tolist()
-            path, node, j = [], -1, i
-            while j < len(out):
-                kid = next((c for c in range(len(toks)) if parents[c] == node and toks[c] == out[j]), None)
-                if kid is None:
-                    break
-                path.append(kid); node, j = kid, j + 1
+
+        def count(d, toks, path, s=s):
             if toks:
                 b = suffix._bucket(d.candidate.match)
                 for key in ((s, b), ("all", b)):
                     st = stats[key]; st[0] += 1; st[1] += d.candidate.score; st[2] += len(path)
-            d.observe(len(seq), Verdict(path, out[j] if j < len(out) else 0))
-            n = min(len(path) + 1, len(out) - i)
-            seq += out[i:i + n]; i += n
+
+        replay(strategy.drafter(), prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"], cost, on_step=count)
 print(f"K={K}; buckets from {suffix.MATCH_EDGES}: steps, accepted / ΣP")
 for key in sorted(stats, key=lambda k: (k[0] != "all", k)):
     n, p, a = stats[key]
