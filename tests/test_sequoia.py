@@ -182,6 +182,10 @@ def test_cost_model_interpolation_and_json(tmp_path):
     assert CostModel.load(tmp_path / "c.json") == c
     with pytest.raises(ValueError):
         CostModel((2, 1), (1.0, 1.0), (1,), (1.0,))
+    # given as lists (a profile just measured): kept as tuples, so the interpolation's cache can key on them, and
+    # two curves at the same sizes answer each from its own times
+    listed = CostModel(list(SIZES), [2 * c.t_target(n) for n in SIZES], list(SIZES), [c.t_draft(n) for n in SIZES])
+    assert isinstance(listed.target_s, tuple) and listed.t_target(3) == pytest.approx(2.6) == 2 * c.t_target(3)
 
 
 def test_flat_cost_takes_the_biggest_tree():

@@ -15,6 +15,7 @@ import json
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,8 @@ class CostModel:
     meta: tuple[tuple[str, str], ...] = ()  # machine and model pair it was measured for
 
     def __post_init__(self) -> None:
+        for name in ("target_n", "target_s", "draft_n", "draft_s"):  # tuples: _interp's cache keys
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         for n, s in ((self.target_n, self.target_s), (self.draft_n, self.draft_s)):
             if len(n) != len(s) or not n or list(n) != sorted(set(n)) or min(s) < 0:
                 raise ValueError("a cost curve needs ascending distinct sizes and as many non-negative times")
@@ -124,7 +127,8 @@ def steady(cost: CostModel | Measured | None, seeded: bool) -> CostModel | Measu
     return cost.fixed if seeded and isinstance(cost, Measured) else cost
 
 
-def _interp(x: float, xs: Sequence[int], ys: Sequence[float]) -> float:
+@lru_cache(maxsize=1 << 16)  # the budgets ask for the same few sizes every step (np.interp over tuples: ~10 us a call)
+def _interp(x: float, xs: tuple[int, ...], ys: tuple[float, ...]) -> float:
     """Piecewise-linear interpolation; linear extrapolation from the last two points beyond the largest x."""
     if len(xs) >= 2 and x > xs[-1]:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
