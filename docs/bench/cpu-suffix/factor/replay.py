@@ -45,6 +45,16 @@ def prompt_ids(tok, p) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def plain_runs(tok, questions: str, files: list[str], temperature: float = 0.0) -> list[list[tuple]]:
+    """Each records file's plain answers of its first round at `temperature`, as (prompt id, prompt's token ids,
+    answer's token ids); prompts from the embedded sets and from the `questions` file."""
+    known = {p.id: p for name in ("mtbench", "humaneval", "summarize", "code-edit") for p in sets.load([name])}
+    known |= {p.id: p for p in sets.file_set(Path(questions))}
+    return [[(r["prompt_id"], prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"]) for r in map(json.loads, open(f))
+             if r["strategy"] == "plain" and r.get("round", 0) == 0 and r["temperature"] == temperature]
+            for f in files]
+
+
 def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | None = None, on_step=None) -> float:
     """Seconds of the drafter's steps over `out` (module docstring); `calls`: each step's calls timed there;
     `on_step(drafter, tokens, path)` sees each step's tree and its accepted path."""
@@ -81,16 +91,10 @@ def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | 
 
 def main() -> None:
     tok = AutoTokenizer.from_pretrained(sys.argv[1])
-    known = {p.id: p for name in ("mtbench", "humaneval", "summarize", "code-edit") for p in sets.load([name])}
-    known |= {p.id: p for p in sets.file_set(Path(sys.argv[2]))}
     cost = CostModel.load(Path(COST))
     profile = CostModel.load(Path(os.environ.get("PRICE") or COST))  # what the drafters decide by
     timed = bool(os.environ.get("TIMED"))
-    runs = []
-    for f in sys.argv[3:]:
-        rows = [json.loads(line) for line in open(f)]
-        runs.append([(r["prompt_id"], prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"]) for r in rows
-                     if r["strategy"] == "plain" and r.get("round", 0) == 0 and r["temperature"] == 0])
+    runs = plain_runs(tok, sys.argv[2], sys.argv[3:])
     variants = {f"suffix max_spec_factor={f}": (lambda price, f=f: suffix.SuffixStrategy(
         suffix.SuffixOptions(budget="auto", max_spec_factor=f), price)) for f in (1024, 2, 1, 0.5)}
     variants["ngram (k=8, n=3, auto)"] = lambda price: Shared(partial(lookup.NgramDrafter, cost=price))

@@ -4,18 +4,14 @@ request: its own trie and trust). Decode ÷ plain on the cached (COST) curve.
 
     [COST=cost.json] [TEMP=0.7] [PRIORS="0.3,0.4,0.5,0.8,1;..."] python replay_prior.py TARGET_TOKENIZER_DIR QUESTIONS records.jsonl ...
 """
-import json, os, sys
+import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../factor"))
-from replay import COST, AutoTokenizer, CostModel, Path, prompt_ids, replay, sets
+from replay import COST, AutoTokenizer, CostModel, Path, plain_runs, replay
 from speculor.drafters import suffix
 
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-known = {p.id: p for name in ("mtbench", "humaneval", "summarize", "code-edit") for p in sets.load([name])}
-known |= {p.id: p for p in sets.file_set(Path(sys.argv[2]))}
 cost = CostModel.load(Path(COST))
 temp = float(os.environ.get("TEMP", "0"))
-runs = [[(r["prompt_id"], prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"]) for r in map(json.loads, open(f))
-         if r["strategy"] == "plain" and r.get("round", 0) == 0 and r["temperature"] == temp] for f in sys.argv[3:]]
+runs = plain_runs(AutoTokenizer.from_pretrained(sys.argv[1]), sys.argv[2], sys.argv[3:], temp)
 print(f"t(n)/t(1), n = 1..4: {[round(cost.t_target(n) / cost.t_target(1), 2) for n in range(1, 5)]}; T = {temp}")
 starts = {"1": (1.0,) * len(suffix.TRUST_0), "TRUST_0": suffix.TRUST_0}
 starts |= {p: tuple(map(float, p.split(","))) for p in os.environ.get("PRIORS", "").split(";") if p}

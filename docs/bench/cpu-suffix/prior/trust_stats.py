@@ -1,24 +1,18 @@
 """Acceptance over Σ P per match bucket for suffix drafts of at most K nodes, drafting at every match (no cost
 model: no selection by trust), replayed on plain greedy outputs. Usage: trust_stats.py TOK QUESTIONS records..."""
-import collections, json, os, sys
+import collections, os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../factor"))
-from replay import COST, AutoTokenizer, CostModel, Path, prompt_ids, replay, sets
+from replay import COST, AutoTokenizer, CostModel, Path, plain_runs, replay
 from speculor.drafters import suffix
 
 K = int(os.environ.get("K", "2"))
 TEMP = float(os.environ.get("TEMP", "0"))  # sampled answers: a draft token is "accepted" where the sample took it
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-known = {p.id: p for name in ("mtbench", "humaneval", "summarize", "code-edit") for p in sets.load([name])}
-known |= {p.id: p for p in sets.file_set(Path(sys.argv[2]))}
 cost = CostModel.load(Path(COST))  # replay prices the steps; only the counts are read here
 stats = collections.defaultdict(lambda: [0, 0.0, 0])  # (set, bucket) -> steps, ΣP, accepted
-for f in sys.argv[3:]:
-    rows = [json.loads(l) for l in open(f)]
+for run in plain_runs(AutoTokenizer.from_pretrained(sys.argv[1]), sys.argv[2], sys.argv[3:], TEMP):
     strategy = suffix.SuffixStrategy(suffix.SuffixOptions(budget=K, max_spec_factor=1), None)
-    for r in rows:
-        if r["strategy"] != "plain" or r.get("round", 0) != 0 or r["temperature"] != TEMP:
-            continue
-        s = r["prompt_id"].split("/")[0].lower()
+    for pid, prompt, out in run:
+        s = pid.split("/")[0].lower()
 
         def count(d, toks, path, s=s):
             if toks:
@@ -26,7 +20,7 @@ for f in sys.argv[3:]:
                 for key in ((s, b), ("all", b)):
                     st = stats[key]; st[0] += 1; st[1] += d.candidate.score; st[2] += len(path)
 
-        replay(strategy.drafter(), prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"], cost, on_step=count)
+        replay(strategy.drafter(), prompt, out, cost, on_step=count)
 print(f"K={K}; buckets from {suffix.MATCH_EDGES}: steps, accepted / ΣP")
 for key in sorted(stats, key=lambda k: (k[0] != "all", k)):
     n, p, a = stats[key]
