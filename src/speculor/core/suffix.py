@@ -93,6 +93,14 @@ class Candidate:
     match: int = 0
 
     @property
+    def depths(self) -> list[int]:
+        """Each node's depth below the match (1: a child of it)."""
+        d: list[int] = []
+        for parent in self.parents:
+            d.append(1 if parent < 0 else d[parent] + 1)
+        return d
+
+    @property
     def score(self) -> float:
         """Σ P: the expected number of accepted draft tokens if the counts were the target's law."""
         return sum(self.probs)

@@ -15,16 +15,18 @@ Tree size:
     budget "auto"   the best n of them (n <= AUTO_CAP, 0 included) for the highest expected rate on this machine's
                     cost curve, the step's tokens estimated from the counts:
 
-                        rate(n) = (1 + Σ_{i<n} v_i) / t_target(n + 1)        v_i = min(1, trust(m) · P(u_i))
+                        rate(n) = (1 + Σ_{i<n} v_i) / t_target(n + 1)     v_i = min(1, trust(m, d_i) · P(u_i))
 
                     and in a batch the batch's step: its other requests' tokens and rows join both sides
                     (core/goodput.py `best_prefix`), so under load a row must pay for the whole call it grows, and
                     beside other rows the best cut must beat the plain step by MARGIN (the model's error band)
 
-                    trust(m) = (accepted + PRIOR · τ₀(m)) / (Σ P drafted + PRIOR) over earlier drafts after a match
+                    v_i is never above its parent's; trust(m, d) = (accepted + PRIOR · τ₀(m, d)) / (Σ P drafted +
+                    PRIOR) over the nodes at a depth in d's class (DEPTH_EDGES) of earlier drafts after a match
                     whose length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the
                     target accepts, from the prior TRUST_0 (τ₀; a 1-token match on chat or code is followed a third
-                    of the time its counts say, a 9-token one nearly always) until something was verified there.
+                    of the time its counts say, a 9-token one nearly always, deeper nodes less) until something was
+                    verified there.
                     Learned online by the strategy, across its requests (a seeded sampled request learns its own, as
                     it reads its own trie, from the same prior: its tree still follows from its seed); both sums of a
                     bucket fade by DECAY at each step that has a match in it and drafts nothing, so a bucket given up
@@ -64,9 +66,11 @@ AUTO_CAP = 64  # most draft tokens per step with budget "auto"
 PRIOR = 2.0  # pseudo-tokens of the prior trust TRUST_0: what steps say outweighs it after a few drafts
 DECAY = 0.999  # what a bucket keeps of its sums at each step that matches in it and drafts nothing (half-life ~700)
 MATCH_EDGES = (1, 2, 3, 5, 9)  # lower edges of the match-length buckets the trust is learned in
-# accepted / Σ P per bucket, drafting at every match, replayed on plain answers of the embedded sets (Spec-Bench's
-# read 0.35-0.63 alike, 0.76-0.83 over 5+ tokens; docs/bench/cpu-suffix/prior)
-TRUST_0 = (0.35, 0.45, 0.55, 0.8, 0.95)
+DEPTH_EDGES = (1, 2, 3, 5)  # ... and of the node depths within each
+# accepted / Σ P per bucket and depth, drafting at every match, replayed on plain answers of the embedded sets
+# (Spec-Bench's read alike over 1-4-token matches, lower deep after longer ones; docs/bench/cpu-suffix/prior)
+TRUST_0 = ((0.35, 0.25, 0.2, 0.15), (0.45, 0.3, 0.25, 0.2), (0.6, 0.4, 0.35, 0.3), (0.8, 0.6, 0.55, 0.5),
+           (0.95, 0.9, 0.85, 0.8))
 ON_OFF = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
 
 
@@ -103,31 +107,48 @@ class SuffixOptions:
 
 
 class Trust:
-    """trust(m) per match-length bucket (module docstring): sums of accepted tokens and of the values drafted."""
+    """trust(m, d) per match-length bucket and node depth (module docstring): sums of the tokens accepted at that
+    depth and of the P drafted there."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self.accepted, self.drafted = [0.0] * len(MATCH_EDGES), [0.0] * len(MATCH_EDGES)
+        self.accepted = [[0.0] * len(DEPTH_EDGES) for _ in MATCH_EDGES]
+        self.drafted = [[0.0] * len(DEPTH_EDGES) for _ in MATCH_EDGES]
 
-    def of(self, match: int) -> float:
-        b = _bucket(match)
-        return (self.accepted[b] + PRIOR * TRUST_0[b]) / (self.drafted[b] + PRIOR)
+    def of(self, match: int, depth: int = 1) -> float:
+        b, d = _bucket(match), _level(depth)
+        return (self.accepted[b][d] + PRIOR * TRUST_0[b][d]) / (self.drafted[b][d] + PRIOR)
 
-    def learn(self, match: int, accepted: int, drafted: float) -> None:
-        b = _bucket(match)
-        self.accepted[b] += accepted
-        self.drafted[b] += drafted
+    def values(self, c: Candidate) -> list[float]:
+        """v_i = min(1, trust(m, depth_i) · P_i), never above its parent's (a node is accepted only after it)."""
+        v: list[float] = []
+        for p, parent, depth in zip(c.probs, c.parents, c.depths, strict=True):
+            x = min(1.0, self.of(c.match, depth) * p)
+            v.append(x if parent < 0 else min(x, v[parent]))
+        return v
+
+    def learn(self, c: Candidate, path: list[int]) -> None:
+        """A verified tree: each node's P drafted at its depth, accepted where it is on the path."""
+        b, on = _bucket(c.match), set(path)
+        for i, (p, depth) in enumerate(zip(c.probs, c.depths, strict=True)):
+            d = _level(depth)
+            self.drafted[b][d] += p
+            self.accepted[b][d] += i in on
 
     def fade(self, match: int) -> None:
         b = _bucket(match)
-        self.accepted[b] *= DECAY
-        self.drafted[b] *= DECAY
+        self.accepted[b] = [a * DECAY for a in self.accepted[b]]
+        self.drafted[b] = [a * DECAY for a in self.drafted[b]]
 
 
 def _bucket(match: int) -> int:
     return max(0, bisect_right(MATCH_EDGES, match) - 1)
+
+
+def _level(depth: int) -> int:
+    return bisect_right(DEPTH_EDGES, depth) - 1
 
 
 class SuffixStrategy:
@@ -186,7 +207,7 @@ class SuffixDrafter(BatchAware):
         self.trust = self.own_trust if alone else self.shared_trust
         self.price = steady(self.cost, alone)
         trust = self.trust.of(best.match)
-        values = [min(1.0, trust * p) for p in best.probs] if self.cost is not None else best.probs
+        values = self.trust.values(best) if self.cost is not None else best.probs
         n = self._cut(values) if self.cost is not None else len(values)
         if values and n == 0 and (self.ledger is None or self._cut(values, alone=True) == 0):
             # a match not tried for its own values (not for the batch's load): what was learned after it fades
@@ -227,7 +248,7 @@ class SuffixDrafter(BatchAware):
         elif self.candidate.tokens and self.cost is not None:
             # over Σ P, not Σ v: v = trust · P would settle trust at √(accepted / Σ P), a bucket's overstated counts
             # half believed
-            self.trust.learn(self.candidate.match, len(verdict.path), self.candidate.score)
+            self.trust.learn(self.candidate, verdict.path)
         if n_committed == self.known:  # the step's tokens, now: the last step of a request is never proposed after
             self._index([self.tokens[i] for i in verdict.path] + [verdict.token], output=True)
 
