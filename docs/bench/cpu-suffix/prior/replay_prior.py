@@ -2,7 +2,7 @@
 strategy's trust shared by its requests (greedy, unseeded) and learned by each request alone (a seeded sampled
 request: its own trie and trust). Decode ÷ plain on the cached (COST) curve.
 
-    [COST=cost.json] [TEMP=0.7] [PRIORS="0.3,0.4,0.5,0.8,1;..."] python replay_prior.py TARGET_TOKENIZER_DIR QUESTIONS records.jsonl ...
+    [COST=cost.json] [TEMP=0.7] [PRIORS="0.3,0.4,0.5,0.8,1;..." (a bucket's at every depth)] python replay_prior.py TARGET_TOKENIZER_DIR QUESTIONS records.jsonl ...
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../factor"))
@@ -13,8 +13,9 @@ cost = CostModel.load(Path(COST))
 temp = float(os.environ.get("TEMP", "0"))
 runs = plain_runs(AutoTokenizer.from_pretrained(sys.argv[1]), sys.argv[2], sys.argv[3:], temp)
 print(f"t(n)/t(1), n = 1..4: {[round(cost.t_target(n) / cost.t_target(1), 2) for n in range(1, 5)]}; T = {temp}")
-starts = {"1": (1.0,) * len(suffix.TRUST_0), "TRUST_0": suffix.TRUST_0}
-starts |= {p: tuple(map(float, p.split(","))) for p in os.environ.get("PRIORS", "").split(";") if p}
+flat = lambda row: tuple(tuple([x] * len(suffix.DEPTH_EDGES)) for x in row)  # one prior a bucket, every depth
+starts = {"1": flat([1.0] * len(suffix.MATCH_EDGES)), "TRUST_0": suffix.TRUST_0}
+starts |= {p: flat(map(float, p.split(","))) for p in os.environ.get("PRIORS", "").split(";") if p}
 for start, prior in starts.items():
     suffix.TRUST_0 = prior
     for alone in (False, True):
