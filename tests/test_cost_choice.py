@@ -11,6 +11,7 @@ from support.costs import GENTLE, timed
 
 from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
+from speculor.drafters import lookup
 from speculor.drafters.base import BatchLedger
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.ngram import NgramDrafter
@@ -59,13 +60,24 @@ def test_ngram_cuts_to_what_the_curve_pays_and_learns():
     assert step(NgramDrafter(k=8), seq, 8) == 8  # no curve: always k
     steep = NgramDrafter(k=8, cost=STEEP)
     first = step(steep, seq, 8)
-    assert 1 <= first < 8  # the prior (0.7) pays a short try only
+    assert 1 <= first < 8  # the 3-gram's prior (0.8) pays a short try only
     sizes = [step(steep, seq, 8) for _ in range(6)]
     assert sizes[-1] > first  # every token accepted: longer cuts
     failing = NgramDrafter(k=8, cost=STEEP)
     tried = [step(failing, seq, 0) for _ in range(30)]
     assert tried[1] == 0  # rejected: it stops drafting at this match length
     assert sum(t > 0 for t in tried) >= 2  # ... and tries again once its counts have faded
+
+
+def test_ngram_starts_from_its_match_length_s_prior(monkeypatch):
+    """Before anything is verified a copy after a 1-token match is believed at 0.3, under the 0.6 t(1) a row costs on
+    the steep curve (not tried), one after a 3-token match at 0.8 (tried); one prior of 0.7 for every length tries
+    both (the control)."""
+    one = [5, 8, 9, 10, 11, 3, 5]  # only the 1-gram 5 recurs
+    three = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6, 7]
+    assert step(NgramDrafter(k=8, cost=STEEP), one, 8) == 0 and step(NgramDrafter(k=8, cost=STEEP), three, 8) > 0
+    monkeypatch.setattr(lookup, "PRIOR", ((1.4, 0.6),))
+    assert step(NgramDrafter(k=8, cost=STEEP), one, 8) > 0
 
 
 def test_ngram_in_a_batch_prices_the_batch_s_step():

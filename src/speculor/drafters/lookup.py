@@ -6,12 +6,13 @@ expected rate, j = 0 (plain decoding) included, under the acceptance measured so
 
     rate(j) = (1 + a + a^2 + ... + a^j) / t_target(j + 1)      a = P(a copied token is accepted | the ones before)
 
-a is a Beta(1.4, 0.6) estimate (prior mean 0.7) from the copied tokens that reached verification, kept apart per
-length of the matched n-gram (a 3-gram's copy is far likelier right than a 1-gram's); its counts decay by DECAY at
-every step it is not tried for its own acceptance, so a length given up on is tried again later. On a flat curve
-(fp32 torch) the whole continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do. In a batch the
-rate is the batch step's (core/goodput.best_prefix: the other requests' tokens and rows join both sides). t_target
-follows the target's calls as they are timed (runtime/cost.Measured), but for a seeded sampled request."""
+a is a Beta estimate from the copied tokens that reached verification, kept apart per length of the matched n-gram
+(a 3-gram's copy is far likelier right than a 1-gram's), from a prior of that length's (PRIOR: means 0.3, 0.5, 0.8
+after 1, 2, 3+ tokens, the acceptance replayed on plain answers, docs/bench/cpu-suffix/ngram); its counts decay by
+DECAY at every step it is not tried for its own acceptance, so a length given up on is tried again later. On a
+flat curve (fp32 torch) the whole continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do. In
+a batch the rate is the batch step's (core/goodput.best_prefix: the other requests' tokens and rows join both sides).
+t_target follows the target's calls as they are timed (runtime/cost.Measured), but for a seeded sampled request."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class NgramIndex:
         return out
 
 
-PRIOR = (1.4, 0.6)  # Beta prior of a depth's acceptance (mean 0.7): the first token is tried where t(2) allows
+# Beta priors of the acceptance after a match of 1, 2, 3+ tokens, 2 pseudo-tokens each (means 0.3, 0.5, 0.8)
+PRIOR = ((0.6, 1.4), (1.0, 1.0), (1.6, 0.4))
 DECAY = 0.9  # counts of a matched length kept at each step it is not tried
 
 
@@ -114,7 +116,8 @@ class NgramDrafter(BatchAware):
 
     def _a(self) -> float:
         """The acceptance estimate after a match of length m (module docstring)."""
-        return (self.accepted[self.m] + PRIOR[0]) / (self.reached[self.m] + sum(PRIOR))
+        hit, miss = PRIOR[min(max(self.m, 1), len(PRIOR)) - 1]
+        return (self.accepted[self.m] + hit) / (self.reached[self.m] + hit + miss)
 
     def _best_cut(self, longest: int, batch: BatchLedger | None = None) -> int:
         """The continuation length with the best expected rate (module docstring), 0 = none; a step's of `batch`."""
