@@ -119,14 +119,19 @@ class Trust:
         self.drafted = [[0.0] * len(DEPTH_EDGES) for _ in MATCH_EDGES]
 
     def of(self, match: int, depth: int = 1) -> float:
-        b, d = _bucket(match), _level(depth)
-        return (self.accepted[b][d] + PRIOR * TRUST_0[b][d]) / (self.drafted[b][d] + PRIOR)
+        return self._row(match)[_level(depth)]
+
+    def _row(self, match: int) -> list[float]:
+        """trust(m, d) for every depth class d."""
+        b = _bucket(match)
+        sums = zip(self.accepted[b], self.drafted[b], TRUST_0[b], strict=True)
+        return [(a + PRIOR * t) / (d + PRIOR) for a, d, t in sums]
 
     def values(self, c: Candidate) -> list[float]:
         """v_i = min(1, trust(m, depth_i) · P_i), never above its parent's (a node is accepted only after it)."""
-        v: list[float] = []
+        row, v = self._row(c.match), []
         for p, parent, depth in zip(c.probs, c.parents, c.depths, strict=True):
-            x = min(1.0, self.of(c.match, depth) * p)
+            x = min(1.0, row[_level(depth)] * p)
             v.append(x if parent < 0 else min(x, v[parent]))
         return v
 
