@@ -115,6 +115,20 @@ def test_timed_calls_reprice_the_curve():
     assert calls.ratio(3) == pytest.approx(2.4 + CallTimes.ALPHA * 1.0)
 
 
+def test_timed_ratios_compare_calls_at_the_same_context():
+    """Every call's time grows with its context, the 2-row ones always 1.7 one-row calls of the moment: a request on
+    a long context (t(1) 60 ms) with a few 2-row calls, then one on a short context (40 ms) that makes none. The ratio
+    stays 1.7; the ratio of the two moving averages (the control) would read 60 · 1.7 / 40 = 2.55."""
+    calls = CallTimes(3)
+    for _ in range(30):
+        calls.add(1, 0.060)
+        calls.add(2, 0.060 * 1.7)
+    for _ in range(60):
+        calls.add(1, 0.040)
+    assert calls.ratio(2) == pytest.approx(1.7) and calls.ratio(1) == 1.0
+    assert calls.s[2] / calls.s[1] == pytest.approx(2.55, rel=0.01)  # c(2) / c(1): what ratio() no longer reads
+
+
 def test_a_profile_the_machine_moved_off_is_measured_again(tmp_path, monkeypatch):
     """`drifted`: t(k)/t(1) timed now off the profile's by more than STALE; `cached_cost` then measures and saves
     anew, once a process (a seeded sampled request's tree follows from the curve it reads); a profile within STALE,

@@ -81,21 +81,31 @@ class CostModel:
 
 class CallTimes:
     """Seconds of a backend's calls by their rows, 1..limit (llama.cpp's exact calls), as moving averages: each call
-    moves its size's estimate by ALPHA; `ratio(k)` = c(k) / c(1) once both sizes were timed SEEN times."""
+    moves its size's estimate c(k) by ALPHA. `ratio(k)`, once both sizes were timed SEEN times, is a moving average of
+    each k-row call over c(1) as it stood then, not c(k) / c(1): a call's time grows with the context it attends to
+    (t(1) 37 ms at 100 tokens, 63 ms at 2,000 on the embedded target), and c(k) of rarer multi-row calls would be
+    read against one-row calls made at another length (docs/bench/cpu-never-slower/probe_context.py)."""
 
     ALPHA = 0.1
     SEEN = 4
 
     def __init__(self, limit: int) -> None:
         self.limit, self.s, self.n = limit, [0.0] * (limit + 1), [0] * (limit + 1)
+        self.r = [1.0] + [0.0] * limit  # ratio(k)'s moving average (k >= 2)
 
     def add(self, rows: int, seconds: float) -> None:
-        if 1 <= rows <= self.limit:
-            self.s[rows] = seconds if not self.n[rows] else self.s[rows] + self.ALPHA * (seconds - self.s[rows])
-            self.n[rows] += 1
+        if not 1 <= rows <= self.limit:
+            return
+        if rows > 1 and self.n[1]:
+            x = seconds / self.s[1]
+            self.r[rows] = x if not self.r[rows] else self.r[rows] + self.ALPHA * (x - self.r[rows])
+        self.s[rows] = seconds if not self.n[rows] else self.s[rows] + self.ALPHA * (seconds - self.s[rows])
+        self.n[rows] += 1
 
     def ratio(self, k: int) -> float | None:
-        return self.s[k] / self.s[1] if min(self.n[k], self.n[1]) >= self.SEEN and self.s[1] > 0 else None
+        if k == 1:
+            return 1.0
+        return self.r[k] if min(self.n[k], self.n[1]) >= self.SEEN and self.r[k] > 0 else None
 
 
 class Measured:
