@@ -91,7 +91,7 @@ class CallTimes:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.s, self.n = limit, [0.0] * (limit + 1), [0] * (limit + 1)
-        self.r = [1.0] + [0.0] * limit  # ratio(k)'s moving average (k >= 2)
+        self.r = [0.0] * (limit + 1)  # ratio(k)'s moving average, k >= 2 (0: none yet)
 
     def add(self, rows: int, seconds: float) -> None:
         if not 1 <= rows <= self.limit:
