@@ -3,8 +3,9 @@
     perfect   the drafter knows the answer: every step may draft any number of the next tokens, all accepted.
     copy      the drafter knows the answer but only drafts tokens that some suffix trie could hold: the next L
               tokens where they occurred before (in the prompt, the answer so far or an earlier answer of the run)
-              right after the context's last token, L <= 12 (max_depth 24 less its longest match). Every suffix
-              tree is a subset of those continuations, so no suffix draft of any size, trust or cut accepts more.
+              right after the context's last token, L <= 12 (a suffix draft holds at most max_spec_factor · match
+              <= 1 · max_depth // 2 = 12 nodes at the defaults). Every suffix tree's paths are among those
+              continuations, so no suffix draft of any size, trust or cut accepts more.
 
 Each oracle's steps are chosen by dynamic programming for the least time over the answer (a step of d drafts costs
 t_target(d + 1) of the cached exact curve: calls of at most 3 rows), against plain's t_target(1) a token: decode ÷
