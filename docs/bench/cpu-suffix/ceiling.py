@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "factor"))
 from replay import COST, AutoTokenizer, CostModel, Path, plain_runs  # noqa: E402
 
-MAX_COPY = 12
+MAX_COPY = int(os.environ.get("MAX_COPY", "12"))  # longer: a suffix draft under a larger max_spec_factor
 
 
 def copy_lengths(prompt: list[int], out: list[int], before: list[list[int]]) -> list[int]:
