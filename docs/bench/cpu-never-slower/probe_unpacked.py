@@ -11,7 +11,6 @@ rows decoded one a call (max |diff|), and each size timed (median of REPS calls,
 
 from __future__ import annotations
 
-import ctypes
 import os
 import statistics
 import subprocess
@@ -25,24 +24,22 @@ REPS = 7
 
 
 def child(path: str, repack: bool, prefix: int) -> None:
-    import llama_cpp as L
+    from speculor.runtime.llama import KV_TYPES, N_BATCH, N_UBATCH, _lib
 
-    quiet = L.llama_log_callback(lambda *a: None)
-    L.llama_log_set(quiet, ctypes.c_void_p(0))
-    L.llama_backend_init()
+    L = _lib()  # llama.cpp initialized, its log silenced, as the backend does
     mp = L.llama_model_default_params()
     mp.use_extra_bufts = repack
     model = L.llama_model_load_from_file(path.encode(), mp)
     cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 4096, 512, 256, 4
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 4096, N_BATCH, N_UBATCH, 4
     cp.n_threads = cp.n_threads_batch = 2
     cp.kv_unified = True
     cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    cp.type_k, cp.type_v = L.GGML_TYPE_Q8_0, L.GGML_TYPE_F16
+    cp.type_k, cp.type_v = (getattr(L, f"GGML_TYPE_{t}") for t in KV_TYPES)
     ctx = L.llama_init_from_model(model, cp)
     mem = L.llama_get_memory(ctx)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    batch = L.llama_batch_init(512, 0, 1)
+    batch = L.llama_batch_init(N_BATCH, 0, 1)
     rng = np.random.default_rng(0)
     toks = rng.integers(100, 20000, prefix + 64).tolist()
 
@@ -59,8 +56,8 @@ def child(path: str, repack: bool, prefix: int) -> None:
                 for i in range(len(tokens)) if want_all]
         return rows, dt
 
-    for start in range(0, prefix, 256):  # the prompt, in calls of up to 256 rows
-        decode(toks[start:min(prefix, start + 256)], start, want_all=False)
+    for start in range(0, prefix, N_UBATCH):  # the prompt, one ubatch a call
+        decode(toks[start:min(prefix, start + N_UBATCH)], start, want_all=False)
     alone = []
     for i in range(max(SIZES)):  # the reference: one row a call
         rows, _ = decode([toks[prefix + i]], prefix + i)
@@ -73,11 +70,11 @@ def child(path: str, repack: bool, prefix: int) -> None:
             rows, dt = decode(toks[prefix:prefix + n], prefix)
             L.llama_memory_seq_rm(mem, 0, prefix, -1)
             times.append(dt)
-            diff = max(diff, max(float(np.abs(r - a).max()) for r, a in zip(rows, alone)))
+            diff = max(diff, max(float(np.abs(r - a).max()) for r, a in zip(rows, alone[:n], strict=True)))
         t = statistics.median(times)
         t1 = t1 or t
-        print(f"repack={int(repack)} n={n:2d}  t(n) {t * 1e3:6.1f} ms  t(n)/t(1) {t / t1:5.2f}  per row {t / t1 / n:4.2f}"
-              f"  max|row - alone| {diff:.3g}", flush=True)
+        print(f"repack={int(repack)} n={n:2d}  t(n) {t * 1e3:6.1f} ms  t(n)/t(1) {t / t1:5.2f}"
+              f"  per row {t / t1 / n:4.2f}  max|row - alone| {diff:.3g}", flush=True)
 
 
 def main() -> None:

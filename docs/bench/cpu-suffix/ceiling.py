@@ -66,6 +66,7 @@ def main() -> None:
         t = lambda n: cost.t_target(1) * ((n // 3) * rho[3] + rho[n % 3])  # noqa: E731
     records = [json.loads(line) for line in open(sys.argv[3])]
     plain = [r for r in records if r["strategy"] == "plain" and r["temperature"] == 0]
+    set_of = {r["prompt_id"]: r["set"] for r in plain}
     share: dict[str, list[float]] = {}
     for r in plain:
         s = share.setdefault(r["set"], [0.0, 0.0])
@@ -77,8 +78,7 @@ def main() -> None:
     for run in plain_runs(tok, sys.argv[2], [sys.argv[3]]):
         before: list[list[int]] = []
         for pid, prompt, out in run:
-            name = next(r["set"] for r in plain if r["prompt_id"] == pid)
-            row = per.setdefault(name, [0.0, 0.0, 0.0])
+            row = per.setdefault(set_of[pid], [0.0, 0.0, 0.0])
             row[0] += len(out) * t(1)
             row[1] += least_time([len(out)] * len(out), t)
             row[2] += least_time(copy_lengths(prompt, out, before), t)
