@@ -91,7 +91,7 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     for a, out in zip(filling, results, strict=False):
         filled(a.req, out, len(chunks[id(a)]))
         a.req.stats.prefill_s += t2 - t1
-        if memory and not a.req.unfilled:
+        if memory and not a.req.unfilled and not a.req.produced:  # a prompt's (not a forced run's: loop.refill)
             memory.remember(a.req.cache, _prompt(a.req), chunk, a.req.ready)
         emitted[id(a)] = []
     settled = [(a, tree, next(results) if b is not None else None, share if d else 0.0, t2 - t1)

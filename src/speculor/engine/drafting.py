@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from speculor.core import goodput
@@ -135,7 +135,13 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
     drafter is given its seat of `book` (if given) as its `ledger`."""
     t0 = time.perf_counter()
     apart = any(r.drafter is not None and not r.cfg.greedy for r in reqs)
-    drafting = [i for i, r in enumerate(reqs) if r.drafter is not None and r.ready is None]  # ready: no draft
+    trees = [EMPTY] * len(reqs)
+    forwarded = {i: _fast_forward(r) for i, r in enumerate(reqs) if r.drafter is not None and r.ready is None}
+    for i, tree in forwarded.items():  # the grammar drafts where it knows the next bytes: the drafter rests
+        trees[i] = tree
+        if book is not None and tree is not EMPTY:
+            book.rows[i], book.tokens[i] = 1 + len(tree), 1.0 + len(tree)
+    drafting = [i for i in forwarded if trees[i] is EMPTY]  # ready: no draft
     if book is not None:
         for i in (i for i, r in enumerate(reqs) if r.ready is not None):
             book.rows[i] = 0  # its token from the prompt's call, no row
@@ -146,13 +152,26 @@ def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list
             d.ledger = None if reqs[i].cfg.seed is not None else book.seat(i)
             book.rows[i], book.tokens[i] = d.estimate  # its last tree, until it decides (so the requests before
             # it in turn count it too)
-    trees = [EMPTY] * len(reqs)
     joint = len(drafting) > 1 and book is not None  # alone: no other rows to wait for, bids decided alone
     on_round = (lambda rnd, j, rows: book.drafted(rnd, drafting[j], rows)) if joint else None
     proposals = [_proposal(reqs[i], book, i) for i in drafting]
     for i, tree in zip(drafting, rounds(proposals, apart, joint, on_round), strict=True):
         trees[i] = tree
+    for i, r in enumerate(reqs):  # under a grammar: each row's mask; at T = 0 the nodes it rules out cut
+        if r.grammar is not None and r.ready is None:
+            r.walk = replace(r.grammar.walk(trees[i], r.cfg.greedy), drafted=i in drafting)
+            trees[i] = r.walk.tree
     return trees, time.perf_counter() - t0
+
+
+FAST_FORWARD = 16  # the most tokens the grammar drafts in one step
+
+
+def _fast_forward(req: Request) -> DraftTree:
+    """The grammar's draft: the bytes every continuation starts with, as the tokenizer writes them, a point-mass
+    chain (exact for any p: core/verify.py); EMPTY where there are none or no grammar."""
+    run = req.grammar.fast_forward(FAST_FORWARD) if req.grammar is not None else []
+    return DraftTree.chain(run, draw="point") if run else EMPTY
 
 
 def _proposal(req: Request, book: Book | None, i: int) -> Proposal:

@@ -29,6 +29,7 @@ from speculor.core.tree import EMPTY, DraftTree, block_parents
 from speculor.core.verify import Verdict, verify_greedy, verify_sampled
 from speculor.drafters.base import Drafter
 from speculor.errors import SpeculorError
+from speculor.grammar.state import GrammarState, Walk, masked
 from speculor.runtime.backend import Backend, Block, Cache, Rows, forward1
 
 
@@ -92,28 +93,58 @@ class Request:
     unfilled: int = 0  # of those, the ones not yet in the cache: chunked prefill (batch.py)
     ready: Rows | None = None  # the root's result from the prompt's last call: the first step's (`settle`)
     scores: list | None = None  # the last step's (logprob, top) per emitted token, with cfg.logprobs (`settle`)
+    grammar: GrammarState | None = None  # its constraint's state (grammar/state.py), None: unconstrained
+    walk: Walk | None = None  # this step's tree as the grammar sees it: its masks, and the drafter's node indices
+    forced: list[Token] = field(default_factory=list)  # forced tokens not yet emitted (the ones before the first)
+    root_in_prompt: bool = False  # the target's: whether a fill's last call scores its last token (`refill`)
 
 
 def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
-          stats: Stats | None = None, prefill: bool = True) -> Request:
+          stats: Stats | None = None, prefill: bool = True, grammar: GrammarState | None = None) -> Request:
     """A request after its prompt prefill: the target's cache holds every prompt token and the root's logits are
     `ready` for the first step, where the backend scores the root in the prompt's last call (`root_in_prompt`):
     that step drafts nothing and forwards nothing, its token the prompt call's; else the cache holds every prompt
     token but the root, which the first step scores. With prefill=False the cache starts empty and the batched step
-    (engine/batch.py) fills it chunk by chunk."""
+    (engine/batch.py) fills it chunk by chunk. Under a `grammar`, the tokens it forces first join the prompt's fill
+    and are emitted with the first step's."""
     check_prompt(prompt, cfg, target)
     stats = stats if stats is not None else Stats()
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     t0 = time.perf_counter()
-    req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats)
+    req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats, grammar=grammar,
+                  root_in_prompt=target.root_in_prompt)
     if drafter is not None:
         drafter.reset()
-    req.fill = req.unfilled = len(prompt) - (not target.root_in_prompt)
+    if grammar is not None:
+        for t in grammar.forced_run(cfg.max_new_tokens - 1):  # one token at least is the first step's
+            req.seq.append(t)
+            req.produced += 1
+            req.forced.append(_forced(t, cfg))
+    req.fill = req.unfilled = len(req.seq) - (not target.root_in_prompt)
     if prefill and req.unfilled:
-        out = forward1(target, req.cache, prompt[:req.fill], last=True, hidden=prompt_features(target, req))
-        filled(req, out, req.fill)
+        fill(target, req)
     stats.prefill_s = time.perf_counter() - t0
     return req
+
+
+def fill(target: Backend, req: Request) -> None:
+    """Forward the tokens waiting for the cache (a prompt, or a forced run: `refill`) in one block."""
+    done = req.fill - req.unfilled
+    out = forward1(target, req.cache, req.seq[done:req.fill], last=True, hidden=prompt_features(target, req))
+    filled(req, out, req.unfilled)
+
+
+def refill(req: Request) -> None:
+    """After a forced run: the tokens the cache lacks (the last decided one and the run) wait for a fill, whose last
+    call scores the root where the target's prompt calls do (`root_in_prompt`), as a prompt's. Plain and
+    speculative decoding compute a forced run's rows alike, so both stay identical."""
+    req.fill = len(req.seq) - (not req.root_in_prompt)
+    req.unfilled = req.fill - req.cache.length
+
+
+def _forced(token: int, cfg: SamplingConfig) -> Token:
+    """A forced token: probability 1 under the masked target (log-probability 0, no alternative)."""
+    return Token(token, False, 0.0 if cfg.logprobs is not None else None)
 
 
 def prompt_features(target: Backend, req: Request) -> bool:
@@ -136,9 +167,11 @@ def filled(req: Request, out: Rows, n: int) -> None:
 
 
 def stream(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: SamplingConfig,
-           eos_ids: frozenset[int] = frozenset(), stats: Stats | None = None) -> Iterator[Token]:
-    """Generate after `prompt`, yielding tokens as they are accepted; fills `stats` if given."""
-    req = start(target, drafter, prompt, cfg, stats)
+           eos_ids: frozenset[int] = frozenset(), stats: Stats | None = None,
+           grammar: GrammarState | None = None) -> Iterator[Token]:
+    """Generate after `prompt`, yielding tokens as they are accepted; fills `stats` if given; under `grammar`'s
+    constraint if given."""
+    req = start(target, drafter, prompt, cfg, stats, grammar=grammar)
     while True:
         verdict, tree, step = _step(target, req)
         req.stats.steps.append(step)
@@ -146,15 +179,17 @@ def stream(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Sam
         yield from tokens
         if done:
             return
+        if req.unfilled:  # a forced run
+            fill(target, req)
 
 
 def propose(req: Request) -> DraftTree:
     """The request's draft tree after its sequence (the empty tree for plain decoding and where the root's result
-    is `ready`), drafted with the kernels a batched step gives it (engine/drafting.py), so a seed gives the same
-    output alone and in a batch."""
+    is `ready`; under a grammar, as it walked it), drafted with the kernels a batched step gives it
+    (engine/drafting.py), so a seed gives the same output alone and in a batch."""
     from speculor.engine.drafting import propose_all  # drafting builds on this module's Request
 
-    return propose_all([req])[0][0] if req.drafter is not None and req.ready is None else EMPTY
+    return propose_all([req])[0][0]
 
 
 def block(req: Request, tree: DraftTree) -> Block | None:
@@ -188,6 +223,9 @@ def settle(req: Request, tree: DraftTree, out: Rows | None) -> Verdict:
     check_finite(logits, "target")
     cfg = req.cfg
     logits = adjusted(logits, cfg, req.seq, req.produced, tree)  # the request's bias and penalties, row by row
+    walk, req.walk = req.walk, None
+    if req.grammar is not None:  # the grammar's mask at every row (the root's alone where its result was ready)
+        logits = masked(logits, walk.masks if walk is not None else req.grammar.allowed()[None])
     verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
     rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted path, in block rows
     keep_features(req, len(req.seq) - 1, out, rows)
@@ -195,21 +233,36 @@ def settle(req: Request, tree: DraftTree, out: Rows | None) -> Verdict:
         req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
     if ready is None:  # else the root is committed and no drafter proposed
         req.cache.keep(rows)
-        if req.drafter is not None:
-            req.drafter.observe(len(req.seq), verdict)
+        if req.drafter is not None and (walk is None or walk.drafted):  # told in its own tree's indices
+            req.drafter.observe(len(req.seq), verdict if walk is None else
+                                Verdict([walk.origin[j] for j in verdict.path], verdict.token))
     return verdict
 
 
 def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int]) -> tuple[list[Token], bool]:
-    """Append the step's tokens (accepted path, then the recovered/bonus token) to the request's sequence, up to
-    max_new_tokens or an end-of-sequence token; (those tokens, whether the request is done)."""
-    out = []
+    """Append the step's tokens (accepted path, then the recovered/bonus token; under a grammar, then the tokens it
+    forces) to the request's sequence, up to max_new_tokens or an end-of-sequence token; (those tokens, whether
+    the request is done). A forced run waits for its fill (`refill`)."""
+    out, req.forced = req.forced, []
     for i, tok in enumerate([int(tree.tokens[j]) for j in verdict.path] + [verdict.token]):
         req.seq.append(tok)
         req.produced += 1
         out.append(Token(tok, i < len(verdict.path), *(req.scores[i] if req.scores is not None else (None, ()))))
         if req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and tok in eos_ids):
             return out, True
+        if req.grammar is not None:
+            req.grammar.advance(tok)
+    if req.grammar is None:
+        return out, False
+    run = req.grammar.forced_run(req.cfg.max_new_tokens - req.produced)
+    for tok in run:
+        req.seq.append(tok)
+        req.produced += 1
+        out.append(_forced(tok, req.cfg))
+        if req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and tok in eos_ids):
+            return out, True
+    if run:
+        refill(req)
     return out, False
 
 
