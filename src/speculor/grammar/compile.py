@@ -78,6 +78,12 @@ class Grammars:
         self.vocab_size = vocab_size
         self._templates: OrderedDict[Constraint, Any] = OrderedDict()
 
+    def special(self, text: str) -> bool:
+        """Whether `text` is one token of the vocabulary that llguidance holds special (it then matches no text: a
+        grammar names it `<text>`)."""
+        ids = self.tokenizer.tokenize_str(text)
+        return len(ids) == 1 and self.tokenizer.is_special_token(ids[0])
+
     def matcher(self, constraint: Constraint) -> Any:
         """A new llguidance matcher at the start of `constraint`; SpeculorError naming the problem if it does not
         compile."""
