@@ -117,7 +117,7 @@ def test_loadtest_against_ray_checks_every_answer(ray_url: str) -> None:
 BAD = [  # (path, body or raw bytes)
     ("/v1/completions", {"prompt": "hi", "temperature": -1}),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}),
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}),
     ("/v1/completions", {"prompt": ""}),
     ("/v1/completions", {"prompt": [10**9]}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}),

@@ -236,10 +236,9 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, None, None),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", None),
     ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format":
-                              {"type": "json_object"}}, "response_format", "unsupported_field"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools",
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions",
      "unsupported_field"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
      None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages", None),

@@ -110,9 +110,9 @@ def test_logit_bias_and_penalties_change_the_answer(pair: Pair, client: openai.O
 def test_unknown_and_unsupported_fields_are_refused_by_name(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="frobnicate"):
         client.completions.create(model="m", prompt=PROMPT, max_tokens=2, extra_body={"frobnicate": 1})
-    with pytest.raises(openai.BadRequestError, match="response_format"):
+    with pytest.raises(openai.BadRequestError, match="function_call"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
-                                       response_format={"type": "json_object"})
+                                       function_call="auto")
     ok = client.completions.create(model="m", prompt=PROMPT, max_tokens=2, user="me",
                                    extra_body={"metadata": {"k": "v"}, "store": False})
     assert ok.usage.completion_tokens == 2

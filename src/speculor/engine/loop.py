@@ -25,7 +25,7 @@ import torch
 from speculor.config import SamplingConfig
 from speculor.core.logits import adjusted, token_logprobs
 from speculor.core.sampling import check_finite, warp
-from speculor.core.tree import EMPTY, DraftTree, block_parents
+from speculor.core.tree import DraftTree, block_parents
 from speculor.core.verify import Verdict, verify_greedy, verify_sampled
 from speculor.drafters.base import Drafter
 from speculor.errors import SpeculorError

@@ -180,3 +180,53 @@ def history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 "no earlier assistant message called")
         out.append(m)
     return out
+
+
+OPEN = re.compile(r"<tool_call>|```json")
+OPENERS = ("<tool_call>", "```json")
+
+
+class CallStream:
+    """A streamed answer's text read as it comes: `add(text)` gives the content that can go out and the calls
+    completed so far, in order: ("content", text) and ("call", (n, Call)) events, the answer's n-th call. Text from
+    an opener on is held until its block closes: a call goes out as a call, anything else as content; `flush()`
+    gives what is still held."""
+
+    def __init__(self, tools: list[Tool]) -> None:
+        self.names = {t.name for t in tools}
+        self.held = ""
+        self.made = 0  # calls given out
+
+    def add(self, text: str) -> list[tuple[str, Any]]:
+        self.held += text
+        out: list[tuple[str, Any]] = []
+        while True:
+            m = OPEN.search(self.held)
+            if m is None:  # hold back what may begin an opener
+                keep = max((k for o in OPENERS for k in range(1, len(o)) if self.held.endswith(o[:k])), default=0)
+                self._content(out, self.held[:len(self.held) - keep])
+                self.held = self.held[len(self.held) - keep:]
+                return out
+            self._content(out, self.held[:m.start()])
+            self.held = self.held[m.start():]
+            block = BLOCK.match(self.held)
+            if block is None:  # not closed yet
+                return out
+            call = _call(block.group(1) or block.group(2), self.names)
+            if call is None:
+                self._content(out, block.group(0))
+            else:
+                out.append(("call", (self.made, call)))
+                self.made += 1
+            self.held = self.held[block.end():]
+
+    def flush(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        self._content(out, self.held)
+        self.held = ""
+        return out
+
+    @staticmethod
+    def _content(out: list[tuple[str, Any]], text: str) -> None:
+        if text:
+            out.append(("content", text))

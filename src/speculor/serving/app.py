@@ -16,9 +16,15 @@ Request fields follow the OpenAI API, with these choices:
 * `speculative` (extension): `{"strategy": "chain", "k": 4, ...}`; a request that names no strategy uses
   the server's strategy and options, overridden by the options it gives.
 * `model` is accepted and ignored: the server serves one model, the one GET /v1/models lists.
-* No field is silently ignored: an unknown field is a 400 naming it, and so are `response_format`, `tools` and
-  the other fields this server does not implement; `user`, `metadata`, `store` and `service_tier` are accepted
-  and have no effect. Fields of the wrong type are refused (strict validation, no coercion).
+* Structured output (grammar/): chat `tools` with `tool_choice` (auto, none, required, a named function) and
+  `parallel_tool_calls`, rendered by the model's chat template and read back as `tool_calls` (streamed as
+  `delta.tool_calls`, `finish_reason: "tool_calls"`); `response_format` (json_object, json_schema); llama-server's
+  `json_schema` and `grammar` (GBNF). Exact: every verified row is masked by the constraint (core of the engine).
+  A constraint that does not compile, a tool without a name or with parameters that are not a schema, a
+  `tool_choice` naming no given tool and a `tool` message answering no call are 400s naming them.
+* No field is silently ignored: an unknown field is a 400 naming it, and so are `functions` and the other fields
+  this server does not implement; `user`, `metadata`, `store` and `service_tier` are accepted and have no effect.
+  Fields of the wrong type are refused (strict validation, no coercion).
 * `usage` adds `tau` (tokens per target forward) and `accepted_tokens` (emitted tokens that were draft
   tokens accepted by verification) to the OpenAI counts.
 
@@ -60,6 +66,9 @@ from speculor import engine
 from speculor.api import Speculor
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
+from speculor.grammar import tools as tool_calls
+from speculor.grammar.compile import Constraint
+from speculor.grammar.tools import Tool
 from speculor.runtime import openmp
 from speculor.runtime.loading import Pair
 from speculor.serving.errors import APIError, bad_request, install_error_handlers
@@ -134,9 +143,11 @@ class _Server:
             raise APIError(400, "the prompt is empty", param="prompt")
         return ids
 
-    def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_messages(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            ids = self.sp.encode_chat([m.flat() for m in messages])
+            ids = self.sp.encode_chat([m.flat() for m in messages], tools)
+        except SpeculorError as exc:  # a tool message answering no call, arguments that are not JSON
+            raise bad_request(exc, "messages") from exc
         except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or the template refused them
             raise APIError(400, f"cannot apply the chat template to these messages: {exc}",
                            param="messages") from exc
@@ -176,9 +187,41 @@ class _Server:
             raise bad_request(exc) from exc
         spec = req.speculative
         strategy, options = (None, {}) if spec is None else (spec.strategy, dict(spec.model_extra or {}))
+        constraint, tools = self.constraint_of(req)
         loop = asyncio.get_running_loop()
         seeds = [None if cfg.seed is None else (cfg.seed + i) % 2**64 for i in range(req.n)]
-        return [Job(ids, replace(cfg, seed=seed), strategy, options, loop) for seed in seeds]
+        return [Job(ids, replace(cfg, seed=seed), strategy, options, loop, constraint=constraint, tools=tools)
+                for seed in seeds]
+
+    def constraint_of(self, req: GenerationRequest) -> tuple[Constraint | None, list[Tool]]:
+        """The request's constraint (compiled now, once per constraint: a 400 names what does not compile) and its
+        tools: `tools` with `tool_choice` (chat), `response_format`, or llama-server's `json_schema` or `grammar`
+        (GBNF), at most one of them."""
+        tools_ = getattr(req, "tools", None)
+        given = {name: getattr(req, name) for name in ("tools", "response_format", "json_schema", "grammar")
+                 if getattr(req, name, None) is not None}
+        if isinstance(req.response_format, dict) and req.response_format.get("type") == "text":
+            given.pop("response_format")
+        if len(given) > 1:
+            raise APIError(400, f"{' and '.join(given)} cannot be combined: give one constraint", param=list(given)[1])
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(req, name, None) is not None and tools_ is None:
+                raise APIError(400, f"{name} needs tools", param=name)
+        param = next(iter(given), None)
+        try:
+            if tools_ is not None:
+                read = tool_calls.read_tools(tools_)
+                constraint = self.sp.tool_constraint(read, req.tool_choice, req.parallel_tool_calls is not False)
+            else:
+                read = []
+                constraint = (tool_calls.response_constraint(req.response_format) if req.response_format else
+                              Constraint.json_schema(req.json_schema) if req.json_schema is not None else
+                              Constraint("gbnf", req.grammar) if req.grammar is not None else None)
+            if constraint is not None:
+                self.sp.grammars.matcher(constraint)  # compiled and kept; a 400 if it does not compile
+        except SpeculorError as exc:
+            raise bad_request(exc, "tool_choice" if "tool_choice" in str(exc) else param) from exc
+        return constraint, read
 
     async def check_strategy(self, job: Job) -> None:
         """A request's strategy checked by building its shared part (once per strategy and options), in the
@@ -194,8 +237,8 @@ class _Server:
         """Validate a request and queue its jobs (429 if full); the whole response body once done, or its `Stream`.
         `request`, where there is one, is watched for the client hanging up. Raises APIError."""
         if chat:
-            ids, max_tokens, param = self.encode_messages(req.messages), req.max_completion_tokens or req.max_tokens, \
-                "messages"
+            ids, max_tokens, param = self.encode_messages(req.messages, req.tools), \
+                req.max_completion_tokens or req.max_tokens, "messages"
         else:
             ids, max_tokens, param = self.encode_prompt(req.prompt), req.max_tokens, "prompt"
         jobs = self.make_jobs(req, ids, max_tokens, param)
@@ -207,7 +250,7 @@ class _Server:
                 for queued in jobs[:i]:
                     queued.cancel.set()
                 raise
-        fmt = Format(chat, self.model, jobs[0].id, self.piece, jobs[0].cfg.logprobs)
+        fmt = Format(chat, self.model, jobs[0].id, self.piece, jobs[0].cfg.logprobs, tools=jobs[0].tools)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return Stream(jobs, sse_stream(jobs, fmt, include_usage))

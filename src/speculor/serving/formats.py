@@ -21,6 +21,8 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from speculor.engine.loop import Token
+from speculor.grammar import tools as tool_calls
+from speculor.grammar.tools import Call, CallStream, Tool
 from speculor.serving.errors import APIError
 from speculor.serving.scheduler import Delta, Done, Event, Failed, Job
 
@@ -37,6 +39,7 @@ class Format:
     piece: Callable[[int], str] = str
     logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: list[Tool] = field(default_factory=list)  # a chat request's tools: its calls are read from its text
 
     @property
     def id(self) -> str:
@@ -52,7 +55,13 @@ class Format:
         choices = []
         for i, (text, finish, tokens) in enumerate(answers):
             choice: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": self._logprobs(tokens)}
-            if self.chat:
+            if self.chat and self.tools:
+                content, calls = tool_calls.calls(text, self.tools)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [c.openai() for c in calls]
+                    choice["finish_reason"] = "tool_calls" if finish == "stop" else finish
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -73,6 +82,13 @@ class Format:
         else:
             choice["text"] = text or ""
         return self._obj([choice], chunk=True)
+
+    def call_chunks(self, index: int, call: Call, n: int) -> list[dict[str, Any]]:
+        """A tool call of choice `index`, its n-th, as OpenAI streams one: its id and name, then its arguments."""
+        head = {"index": n, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [self._obj([{"index": index, "finish_reason": None, "logprobs": None, "delta": {"tool_calls": [d]}}],
+                          chunk=True)
+                for d in (head, {"index": n, "function": {"arguments": call.arguments}})]
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._obj([], chunk=True), "usage": usage}
@@ -156,11 +172,20 @@ async def sse_stream(jobs: list[Job], fmt: Format, include_usage: bool) -> Async
         for i in range(len(jobs)):
             yield _sse(fmt.chunk(i, "", role=True))
     usages = []
+    reading = [CallStream(fmt.tools) for _ in jobs] if fmt.chat and fmt.tools else None
     async for i, event in _merged(jobs):
-        if isinstance(event, Delta):
+        if isinstance(event, Delta) and reading is None:
             yield _sse(fmt.chunk(i, event.text, tokens=event.tokens))
+        elif isinstance(event, Delta):
+            for chunk in _read(fmt, i, reading[i].add(event.text), event.tokens):
+                yield _sse(chunk)
         elif isinstance(event, Done):
-            yield _sse(fmt.chunk(i, None, event.finish_reason))
+            finish = event.finish_reason
+            if reading is not None:
+                for chunk in _read(fmt, i, reading[i].flush(), ()):
+                    yield _sse(chunk)
+                finish = "tool_calls" if reading[i].made and finish == "stop" else finish
+            yield _sse(fmt.chunk(i, None, finish))
             usages.append(event.usage)
         else:
             yield _sse(event.error.body())
@@ -168,6 +193,18 @@ async def sse_stream(jobs: list[Job], fmt: Format, include_usage: bool) -> Async
     if include_usage and len(usages) == len(jobs):
         yield _sse(fmt.usage_chunk(combined(usages)))
     yield _sse("[DONE]")
+
+
+def _read(fmt: Format, i: int, events: list[tuple[str, Any]], tokens: tuple[Token, ...]) -> list[dict[str, Any]]:
+    """The chunks of choice i's text read for calls (grammar/tools.py `CallStream`): content chunks and each call's
+    chunks; the delta's log-probabilities ride on its first chunk."""
+    out = []
+    for kind, value in events:
+        out += [fmt.chunk(i, value, tokens=tokens)] if kind == "content" else fmt.call_chunks(i, value[1], value[0])
+        tokens = ()
+    if tokens and fmt.logprobs is not None:
+        out.append(fmt.chunk(i, "", tokens=tokens))
+    return out
 
 
 class EventStream(StreamingResponse):

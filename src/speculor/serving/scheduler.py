@@ -35,6 +35,8 @@ from speculor.config import SamplingConfig, check_int
 from speculor.engine.batch import Active
 from speculor.engine.batch import step as batch_step
 from speculor.errors import SpeculorError
+from speculor.grammar.compile import Constraint
+from speculor.grammar.tools import Tool
 from speculor.runtime import openmp
 from speculor.serving.errors import APIError, bad_request
 from speculor.serving.metrics import Metrics
@@ -73,6 +75,8 @@ class Job:
     strategy: str | None
     options: dict[str, Any]
     loop: asyncio.AbstractEventLoop
+    constraint: Constraint | None = None  # its structured output's (grammar/compile.py), compiled already
+    tools: list[Tool] = field(default_factory=list)  # its tools, whose calls are read back from its text
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -238,7 +242,7 @@ class Scheduler:
             name, options = self.sp.options_for(job.strategy, job.options)
             shared = self.sp.strategy_for(name, **options)
             req = engine.start(self.sp.pair.target, shared.drafter() if shared is not None else None, job.prompt,
-                               job.cfg, stats, prefill=False)
+                               job.cfg, stats, prefill=False, grammar=self.sp.grammar(job.constraint))
         except Exception as exc:  # noqa: BLE001 - every failure becomes the job's answer; the server keeps serving
             self._fail(job, exc, stats, progress, t0)
             return

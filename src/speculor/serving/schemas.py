@@ -57,11 +57,11 @@ class GenerationRequest(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # structured output (grammar/): OpenAI's response_format, and llama-server's json_schema and grammar (GBNF)
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
     # refused when set (UNSUPPORTED): they would change the answer and are not implemented
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -80,16 +80,34 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def flat(self) -> dict[str, str]:
-        """The message as the chat template expects it: text parts joined, None as ''."""
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def flat(self) -> dict[str, Any]:
+        """The message as the chat template expects it: text parts joined, None as ''; calls and call ids kept."""
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": self.role, "content": content}
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(GenerationRequest):
@@ -98,7 +116,9 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None  # checked by grammar/tools.py `read_tools`
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
-UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-               "suffix", "best_of")
+UNSUPPORTED = ("functions", "function_call", "suffix", "best_of")
