@@ -331,3 +331,31 @@ def test_the_server_default_has_no_fallback_without_a_draft() -> None:
     assert DEFAULT_STRATEGY[0] == "suffix" and default_options(types.SimpleNamespace(draft=object())) == {
         "budget": "auto", "fallback": "dyspec"}
     assert default_options(types.SimpleNamespace(draft=None)) == {"budget": "auto"}
+
+
+def test_generate_takes_a_json_schema_or_a_grammar_file(monkeypatch, capsys, tmp_path) -> None:
+    """--json-schema FILE and --grammar FILE (GBNF; Lark for .lark) constrain the output; a file that is not JSON or
+    a grammar that does not compile is a clear error (exit 2), not a traceback."""
+    from support.server import tiny_pair
+
+    pair = tiny_pair()
+    monkeypatch.setattr(commands, "load", lambda args: pair)
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    base = ["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "40", "--json"]
+    assert cli.main(base + ["--json-schema", str(schema)]) == 0
+    assert set(json.loads(json.loads(capsys.readouterr().out)["text"])) == {"ok"}
+    gbnf, lark = tmp_path / "g.gbnf", tmp_path / "g.lark"
+    gbnf.write_text('root ::= "yes" | "no"')
+    lark.write_text('start: "up" | "down"')
+    assert cli.main(base + ["--grammar", str(gbnf)]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes", "no")
+    assert cli.main(base + ["--grammar", str(lark)]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("up", "down")
+    gbnf.write_text("root ::= (")
+    assert cli.main(base + ["--grammar", str(gbnf)]) == 2
+    assert "gbnf" in capsys.readouterr().err.lower()
+    schema.write_text("{nope")
+    assert cli.main(base + ["--json-schema", str(schema)]) == 2
+    assert "not JSON" in capsys.readouterr().err

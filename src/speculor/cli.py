@@ -148,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's log-probability and its N most likely alternatives")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the output matches this JSON schema (exactly: every "
+                       "verified token is masked by it)")
+    shape.add_argument("--grammar", metavar="FILE", help="the output matches this GBNF grammar (llama.cpp's), or a "
+                       "Lark grammar (llguidance's) when FILE ends in .lark")
     _add_strategy_args(g)
     _add_model_args(g)
     _add_sampling_args(g)
