@@ -83,8 +83,9 @@ def test_a_required_call_is_parsed_and_matches_its_schema(client, choice):
 def test_streamed_calls_are_the_whole_answers_calls(client):
     whole = ask(client, tools=[WEATHER], tool_choice="required").choices[0]
     parts: dict[int, dict] = {}
-    finish = None
+    finish, pieces = None, 0
     for chunk in ask(client, tools=[WEATHER], tool_choice="required", stream=True):
+        pieces += bool(chunk.choices and chunk.choices[0].delta.tool_calls)
         for d in chunk.choices[0].delta.tool_calls or []:
             p = parts.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
             p["id"] = d.id or p["id"]
@@ -95,6 +96,7 @@ def test_streamed_calls_are_the_whole_answers_calls(client):
     assert [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
     assert all(p["id"] for p in parts.values())
+    assert pieces > 2 * len(parts)  # the arguments came in several pieces
 
 
 def test_constrained_speculation_equals_plain_constrained_decoding(client):
@@ -135,6 +137,11 @@ def test_llama_server_fields_on_completions(http):
     r = http.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 60, "temperature": 0,
                                            "json_schema": SCHEMA}).json()
     assert set(json.loads(r["choices"][0]["text"])) == {"ok", "level"}
+
+
+def test_tool_choice_none_reads_no_call(client):
+    r = ask(client, tools=[WEATHER], tool_choice="none", max_tokens=6).choices[0]
+    assert r.message.tool_calls is None and r.finish_reason == "length"
 
 
 def test_a_call_cut_by_max_tokens_is_length_with_its_text(client):
@@ -192,14 +199,25 @@ def test_text_that_only_looks_like_a_call_stays_content():
     assert content == "Sure." and [c.name for c in found] == ["get_time", "get_time"]
 
 
-@pytest.mark.parametrize("cut", [1, 3, 7])
-def test_call_stream_gives_the_calls_of_the_whole_text_in_any_pieces(cut):
+@pytest.mark.parametrize("cut", [1, 3, 7, 200])
+def test_call_stream_streams_the_calls_of_the_whole_text_in_any_pieces(cut):
     text = (f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\nthen ```json\n{{\"bad\": 1}}\n``` and "
             f"```json\n{CALL}\n```!")
     stream = CallStream(TOOLS)
     events = [e for i in range(0, len(text), cut) for e in stream.add(text[i:i + cut])] + stream.flush()
     content = "".join(v for k, v in events if k == "content")
-    got = [v for k, v in events if k == "call"]
-    assert [n for n, _ in got] == [0, 1] and [c.name for _, c in got] == ["get_time", "get_time"]
+    opened = [v for k, v in events if k == "call"]
+    args = {n: "".join(a for m, a in (v for k, v in events if k == "arguments") if m == n) for n, _ in opened}
+    assert [n for n, _ in opened] == [0, 1] and [c.name for _, c in opened] == ["get_time", "get_time"]
+    assert args == {0: '{"zone": "utc"}', 1: '{"zone": "utc"}'}
     assert content == "Let me check.\n\nthen ```json\n{\"bad\": 1}\n``` and !"
+    assert [c.arguments for c in calls(text, TOOLS)[1]] == [args[0], args[1]]
+
+
+def test_a_streamed_call_arrives_in_pieces_before_it_closes():
+    stream = CallStream(TOOLS)
+    head = stream.add('<tool_call>\n{"name": "get_time", "arguments": {"zone": "ut')
+    assert [k for k, _ in head] == ["call"]
+    more = stream.add('c", "more": "xxxxxxxxxxxxxx')
+    assert more and more[0][0] == "arguments"  # sent before the block closed
     assert isinstance(TOOLS[0], Tool)

@@ -177,7 +177,7 @@ class Speculor:
         ids = [t.id for t in tokens]
         stopped = len(ids) < cfg.max_new_tokens or (ids and ids[-1] in self.eos_ids)
         out = Generation("".join(text), ids, stats, total, "stop" if stopped else "length", tokens)
-        if read:
+        if read and tool_choice != "none":
             out.content, out.tool_calls = tool_calls.calls(out.text, read)
             out.finish_reason = "tool_calls" if out.tool_calls and stopped else out.finish_reason
         return out

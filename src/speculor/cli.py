@@ -18,6 +18,7 @@ from speculor.commands import (
     loadtest,
     profile,
     serve,
+    toolbench,
     train_head,
     tune_threshold,
 )
@@ -217,6 +218,18 @@ def _parser() -> argparse.ArgumentParser:
                     "an embedded model's name or a .gguf file; give the target our server runs")
     lt.add_argument("--threads", type=int, default=None, help="the peer's -t and -tb (give our server's --threads; "
                     "default: this machine's CPU count)")
+    tb = sub.add_parser("toolbench", help="tool calls (BFCL) and JSON schemas through speculor serve and llama-server")
+    tb.add_argument("--sets", default="bfcl-simple,bfcl-multiple,bfcl-parallel,schema",
+                    help="comma-separated: bfcl-simple, bfcl-multiple, bfcl-parallel, schema (bench/toolcalls.py)")
+    tb.add_argument("--limit", type=int, default=100, help="questions per set (the first ones)")
+    tb.add_argument("--rows", default="plain,default,free,llama-server,llama-server ngram-mod,llama-server -md",
+                    help="comma-separated rows (commands/toolbench.py ROWS)")
+    tb.add_argument("--rounds", type=int, default=2, help="rounds over the questions (free and warm-up: one)")
+    tb.add_argument("--max-tokens", type=int, default=256)
+    tb.add_argument("--threads", type=int, default=2, help="each server's threads")
+    tb.add_argument("--llama-server", default=None, metavar="PATH", help="llama-server's binary (default: the one "
+                    "`make llama-server` built)")
+    tb.add_argument("--out", default="runs/toolbench", help="folder for answers.jsonl, table.md and the logs")
     return ap
 
 
@@ -320,7 +333,8 @@ def _add_tune_threshold_parser(sub) -> None:
 
 COMMANDS = {"generate": generate.run, "bench": bench.run, "calibrate": calibrate.run, "profile": profile.run,
             "train-head": train_head.run, "boost-tune": boost_tune.run, "tune-threshold": tune_threshold.run,
-            "fetch-models": fetch_models.run, "serve": serve.run, "loadtest": loadtest.run}
+            "fetch-models": fetch_models.run, "serve": serve.run, "loadtest": loadtest.run,
+            "toolbench": toolbench.run}
 
 
 def main(argv: list[str] | None = None) -> int:

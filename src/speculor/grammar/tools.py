@@ -148,14 +148,25 @@ def calls(text: str, tools: list[Tool]) -> tuple[str | None, list[Call]]:
 
 
 def _call(body: str, names: set[str]) -> Call | None:
+    """A block's JSON as a call of a given tool, or None; its arguments as written where the block opens the way
+    the grammar writes a call (what `CallStream` streams), else re-serialized."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments", {}), dict):
         return None
-    return Call("call_" + uuid.uuid4().hex[:24], obj["name"], json.dumps(obj.get("arguments", {}),
-                                                                        ensure_ascii=False))
+    head = HEAD.match(body)
+    raw = body[head.end():].rstrip()[:-1] if head is not None else None
+    args = raw if raw is not None and _parses(raw) else json.dumps(obj.get("arguments", {}), ensure_ascii=False)
+    return Call("call_" + uuid.uuid4().hex[:24], obj["name"], args)
+
+
+def _parses(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -184,46 +195,79 @@ def history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 OPEN = re.compile(r"<tool_call>|```json")
 OPENERS = ("<tool_call>", "```json")
+CLOSERS = {"<tool_call>": "</tool_call>", "```json": "```"}
+HEAD = re.compile(r'\s*\{"name": "([A-Za-z0-9_.\-]{1,64})", "arguments": ')  # a call as the grammar writes it
 
 
 class CallStream:
-    """A streamed answer's text read as it comes: `add(text)` gives the content that can go out and the calls
-    completed so far, in order: ("content", text) and ("call", (n, Call)) events, the answer's n-th call. Text from
-    an opener on is held until its block closes: a call goes out as a call, anything else as content; `flush()`
-    gives what is still held."""
+    """A streamed answer's text read as it comes, calls streamed as OpenAI streams them. `add(text)` gives events in
+    order: ("content", text); ("call", (n, Call)) when the answer's n-th call opens (its id and name, arguments
+    still empty); ("arguments", (n, text)) as its arguments come. A call's arguments go out as they are written
+    (less the last characters, which may be the call's own closing brace); a block that does not open as a call of a
+    given tool (the head `{"name": ..., "arguments": ` the grammar writes) goes out as content once it closes.
+    `flush()` gives what is still held (a call cut by max_tokens ends where it was cut)."""
 
     def __init__(self, tools: list[Tool]) -> None:
         self.names = {t.name for t in tools}
         self.held = ""
-        self.made = 0  # calls given out
+        self.made = 0  # calls opened
+        self.opener: str | None = None  # the opener of the block being read
+        self.sent: int | None = None  # of a call being streamed: the characters of its arguments sent
 
     def add(self, text: str) -> list[tuple[str, Any]]:
         self.held += text
         out: list[tuple[str, Any]] = []
-        while True:
+        while self._advance(out):
+            pass
+        return out
+
+    def _advance(self, out: list[tuple[str, Any]]) -> bool:
+        """One move of the reader; whether another may follow."""
+        if self.opener is None:
             m = OPEN.search(self.held)
             if m is None:  # hold back what may begin an opener
                 keep = max((k for o in OPENERS for k in range(1, len(o)) if self.held.endswith(o[:k])), default=0)
                 self._content(out, self.held[:len(self.held) - keep])
                 self.held = self.held[len(self.held) - keep:]
-                return out
+                return False
             self._content(out, self.held[:m.start()])
-            self.held = self.held[m.start():]
-            block = BLOCK.match(self.held)
-            if block is None:  # not closed yet
-                return out
-            call = _call(block.group(1) or block.group(2), self.names)
-            if call is None:
-                self._content(out, block.group(0))
-            else:
-                out.append(("call", (self.made, call)))
+            self.opener, self.held = m.group(0), self.held[m.start():]
+            return True
+        body = self.held[len(self.opener):]
+        closer = CLOSERS[self.opener]
+        if self.sent is None:  # not yet known to be a call
+            head = HEAD.match(body)
+            if head is not None and head.group(1) in self.names:
+                out.append(("call", (self.made, Call("call_" + uuid.uuid4().hex[:24], head.group(1), ""))))
                 self.made += 1
-            self.held = self.held[block.end():]
+                self.held, self.sent = self.opener + body[head.end():], 0
+                return True
+            end = body.find(closer)
+            if end < 0:
+                return False
+            self._content(out, self.held[:len(self.opener) + end + len(closer)])  # closed, not a call: content
+            self.held, self.opener = body[end + len(closer):], None
+            return True
+        end = body.find(closer)
+        args = body if end < 0 else body[:end].rstrip()
+        ready = len(args) - (1 + len(closer) + 2) if end < 0 else len(args) - 1  # the call's own "}" stays out
+        if ready > self.sent:
+            out.append(("arguments", (self.made - 1, args[self.sent:ready])))
+            self.sent = ready
+        if end < 0:
+            return False
+        self.held, self.opener, self.sent = body[end + len(closer):], None, None
+        return True
 
     def flush(self) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
-        self._content(out, self.held)
-        self.held = ""
+        if self.sent is not None:
+            args = self.held[len(self.opener):]
+            if len(args) > self.sent:
+                out.append(("arguments", (self.made - 1, args[self.sent:])))
+        else:
+            self._content(out, self.held)
+        self.held, self.opener, self.sent = "", None, None
         return out
 
     @staticmethod

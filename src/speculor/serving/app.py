@@ -221,7 +221,7 @@ class _Server:
                 self.sp.grammars.matcher(constraint)  # compiled and kept; a 400 if it does not compile
         except SpeculorError as exc:
             raise bad_request(exc, "tool_choice" if "tool_choice" in str(exc) else param) from exc
-        return constraint, read
+        return constraint, read if constraint is not None or not read else []  # "none": no call is read back
 
     async def check_strategy(self, job: Job) -> None:
         """A request's strategy checked by building its shared part (once per strategy and options), in the

@@ -83,12 +83,14 @@ class Format:
             choice["text"] = text or ""
         return self._obj([choice], chunk=True)
 
-    def call_chunks(self, index: int, call: Call, n: int) -> list[dict[str, Any]]:
-        """A tool call of choice `index`, its n-th, as OpenAI streams one: its id and name, then its arguments."""
-        head = {"index": n, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        return [self._obj([{"index": index, "finish_reason": None, "logprobs": None, "delta": {"tool_calls": [d]}}],
-                          chunk=True)
-                for d in (head, {"index": n, "function": {"arguments": call.arguments}})]
+    def call_chunk(self, index: int, n: int, call: Call | None = None, arguments: str = "") -> dict[str, Any]:
+        """A tool-call chunk of choice `index` for its n-th call, as OpenAI streams one: the call's id and name as
+        it opens (`call`), then pieces of its arguments."""
+        d: dict[str, Any] = {"index": n, "function": {"arguments": arguments}}
+        if call is not None:
+            d = {"index": n, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return self._obj([{"index": index, "finish_reason": None, "logprobs": None, "delta": {"tool_calls": [d]}}],
+                         chunk=True)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._obj([], chunk=True), "usage": usage}
@@ -196,11 +198,16 @@ async def sse_stream(jobs: list[Job], fmt: Format, include_usage: bool) -> Async
 
 
 def _read(fmt: Format, i: int, events: list[tuple[str, Any]], tokens: tuple[Token, ...]) -> list[dict[str, Any]]:
-    """The chunks of choice i's text read for calls (grammar/tools.py `CallStream`): content chunks and each call's
-    chunks; the delta's log-probabilities ride on its first chunk."""
+    """The chunks of choice i's text read for calls (grammar/tools.py `CallStream`): content, a call's opening and its
+    arguments' pieces; the delta's log-probabilities ride on its first chunk."""
     out = []
     for kind, value in events:
-        out += [fmt.chunk(i, value, tokens=tokens)] if kind == "content" else fmt.call_chunks(i, value[1], value[0])
+        if kind == "content":
+            out.append(fmt.chunk(i, value, tokens=tokens))
+        elif kind == "call":
+            out.append(fmt.call_chunk(i, value[0], call=value[1]))
+        else:
+            out.append(fmt.call_chunk(i, value[0], arguments=value[1]))
         tokens = ()
     if tokens and fmt.logprobs is not None:
         out.append(fmt.chunk(i, "", tokens=tokens))
