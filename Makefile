@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0          # the CPU build on the project machines
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install -q -e ".[server,ray,bench,test]"   # compiles llama-cpp-python (~10 min, once per machine)
+	$(PY) -m pip install -q --no-deps "bfcl-eval==2026.3.23"   # BFCL's questions and checker (toolbench), not its model SDKs
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -222,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     tb.add_argument("--sets", default="bfcl-simple,bfcl-multiple,bfcl-parallel,schema",
                     help="comma-separated: bfcl-simple, bfcl-multiple, bfcl-parallel, schema (bench/toolcalls.py)")
     tb.add_argument("--limit", type=int, default=100, help="questions per set (the first ones)")
-    tb.add_argument("--rows", default="plain,default,free,llama-server,llama-server ngram-mod,llama-server -md",
+    tb.add_argument("--rows", default="plain,default,suffix,free,llama-server,llama-server ngram-mod,llama-server -md",
                     help="comma-separated rows (commands/toolbench.py ROWS)")
     tb.add_argument("--rounds", type=int, default=2, help="rounds over the questions (free and warm-up: one)")
     tb.add_argument("--max-tokens", type=int, default=256)

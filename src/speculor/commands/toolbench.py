@@ -17,6 +17,7 @@ from speculor.errors import SpeculorError
 ROWS = {
     "plain": ("speculor", {"speculative": {"strategy": "plain"}}, "auto"),  # our plain constrained decoding
     "default": ("speculor", {}, "auto"),  # our default strategy, the grammar drafting
+    "suffix": ("speculor", {"speculative": {"strategy": "suffix"}}, "auto"),  # the grammar's and suffix's drafts
     "free": ("speculor", {"speculative": {"strategy": "plain"}}, "none"),  # unconstrained: the model's own text
     "llama-server": ("llama-server", {}, "auto"),
     "llama-server ngram-mod": ("llama-server --spec-type ngram-mod", {}, "auto"),
