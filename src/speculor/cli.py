@@ -227,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
     tb.add_argument("--rounds", type=int, default=2, help="rounds over the questions (free and warm-up: one)")
     tb.add_argument("--max-tokens", type=int, default=256)
     tb.add_argument("--threads", type=int, default=2, help="each server's threads")
+    tb.add_argument("--clients", type=int, default=1, help="then each row once more with this many clients at "
+                    "once (rows named row@N; llama-server started with -np N)")
     tb.add_argument("--llama-server", default=None, metavar="PATH", help="llama-server's binary (default: the one "
                     "`make llama-server` built)")
     tb.add_argument("--out", default="runs/toolbench", help="folder for answers.jsonl, table.md and the logs")

@@ -62,6 +62,8 @@ def run(args: Args) -> None:
                         a.extra["round"] = rnd
                         answers.append(a)
                 print(f"{server}: round {rnd + 1} of {args.rounds} done", file=sys.stderr)
+            if args.clients > 1:  # the same questions from several clients at once
+                answers += _together(client, questions, [r for r in mine if r != "free"], args)
         finally:
             stop(proc)
     toolcalls.score(answers, {(q.set, q.id): q for q in questions})
@@ -70,6 +72,25 @@ def run(args: Args) -> None:
     (out / "table.md").write_text(table + "\n")
     (out / "command.txt").write_text("speculor " + " ".join(args.argv) + "\n")
     print(table)
+
+
+def _together(client: Any, questions: list[Any], rows: list[str], args: Args) -> list[Any]:
+    """Each row's answers with `args.clients` clients asking at once (a row named `row@N`)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
+
+    from speculor.bench import toolcalls
+
+    out = []
+    for name in rows:
+        _, extra, choice = ROWS[name]
+        with ThreadPoolExecutor(args.clients) as pool:
+            got = list(pool.map(partial(toolcalls.ask, client, server=f"{name}@{args.clients}",
+                                        max_tokens=args.max_tokens, extra=extra, tool_choice=choice), questions))
+        for a in got:
+            a.extra["round"] = 0
+        out += got
+    return out
 
 
 def _command(server: str, port: int, args: Args) -> list[str]:
@@ -81,7 +102,8 @@ def _command(server: str, port: int, args: Args) -> list[str]:
     from speculor.bench.peer_server import find_binary, target_gguf
     from speculor.runtime import embedded
 
-    cmd = [str(find_binary(args.llama_server)), "-m", str(target_gguf()), "--jinja", "-c", "8192", "-np", "1", "-t",
+    cmd = [str(find_binary(args.llama_server)), "-m", str(target_gguf()), "--jinja", "-c", "16384", "-np",
+           str(args.clients), "-t",
            str(args.threads), "-tb", str(args.threads), "--port", str(port)]
     if "ngram-mod" in server:
         cmd += ["--spec-type", "ngram-mod"]
@@ -94,8 +116,9 @@ def summary(answers: list[Any], rows: list[str]) -> str:
     """Per set and row: accuracy (tool_calls, BFCL's rule), read accuracy (calls in the text), valid calls, answer
     tokens, decode tokens/s (median over answers), end to end s (median), and decode ÷ our plain constrained."""
     lines = ["| set | row | questions | accuracy | read as calls | schema-valid | tokens | decode tok/s | "
-             "decode ÷ plain | e2e s | TTFT s | same as plain |", "|" + "---|" * 12]
+             "decode ÷ plain | e2e s | TTFT s | same as plain (row@N: as its 1 client) |", "|" + "---|" * 12]
     sets = list(dict.fromkeys(a.set for a in answers))
+    rows = rows + [r for r in dict.fromkeys(a.server for a in answers) if "@" in r]
     for s in sets:
         plain = {(a.id, a.extra["round"]): a for a in answers if a.set == s and a.server == "plain"}
         for row in rows:
@@ -105,8 +128,10 @@ def summary(answers: list[Any], rows: list[str]) -> str:
             ratio = [a.decode_tps / plain[(a.id, a.extra["round"])].decode_tps for a in mine
                      if (a.id, a.extra["round"]) in plain and plain[(a.id, a.extra["round"])].decode_tps > 0
                      and a.decode_tps > 0]
-            same = sum(a.text == plain[(a.id, a.extra["round"])].text for a in mine if (a.id, a.extra["round"])
-                       in plain)
+            ref = plain if "@" not in row else {(a.id, a.extra["round"]): a for a in answers
+                                                 if a.set == s and a.server == row.split("@")[0]}
+            same = sum(a.text == ref[(a.id, a.extra["round"])].text and a.calls == ref[(a.id, a.extra["round"])].calls
+                       for a in mine if (a.id, a.extra["round"]) in ref)
             first = [a for a in mine if a.extra["round"] == 0]
             lines.append(
                 f"| {s} | {row} | {len(first)} | {_pct(sum(a.correct for a in first), len(first))} | "
