@@ -21,6 +21,13 @@ def test_bfcl_questions_become_openai_tools_with_json_schema():
             assert "dict" not in str(params) and "'float'" not in str(params)
 
 
+def test_every_bfcl_question_of_the_sets_converts():
+    for name in ("bfcl-simple", "bfcl-multiple", "bfcl-parallel"):
+        assert len(toolcalls.load(name, 1000)) >= 100
+    assert toolcalls.schema({"type": "dict", "properties": {"type": {"type": "string"}, "n": {"type": "float"}}}) == {
+        "type": "object", "properties": {"type": {"type": "string"}, "n": {"type": "number"}}}
+
+
 def test_bfcls_own_checker_accepts_the_right_call_and_refuses_a_wrong_one():
     q = toolcalls.load("bfcl-simple", 1)[0]  # calculate_triangle_area(base=10, height=5)
     check = toolcalls.checker()

@@ -48,16 +48,23 @@ class Question:
 
 
 def schema(s: Any) -> Any:
-    """A BFCL parameter description as JSON schema (as BFCL converts it for OpenAI-style models)."""
+    """A BFCL parameter description as JSON schema (as BFCL converts it for OpenAI-style models): its type names
+    mapped, its `optional` flags dropped, through properties and items (a property may be named "type")."""
     if isinstance(s, list):
         return [schema(x) for x in s]
     if not isinstance(s, dict):
         return s
-    out = {k: schema(v) for k, v in s.items() if k != "optional"}
-    if out.get("type") == "any":
+    out = {k: v for k, v in s.items() if k != "optional"}
+    kind = out.get("type")
+    if kind == "any":
         out.pop("type")
-    elif out.get("type") in TYPES:
-        out["type"] = TYPES[out["type"]]
+    elif isinstance(kind, str) and kind in TYPES:
+        out["type"] = TYPES[kind]
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: schema(v) for k, v in out["properties"].items()}
+    for key in ("items", "additionalProperties", "anyOf", "oneOf"):
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = schema(out[key])
     return out
 
 
@@ -74,7 +81,10 @@ def load(name: str, limit: int) -> list[Question]:
     rows = [json.loads(line) for line in (data / file).read_text().splitlines()[:limit]]
     answers = {r["id"]: r["ground_truth"] for r in (json.loads(line) for line in
                                                     (data / "possible_answer" / file).read_text().splitlines())}
-    return [Question(name, r["id"], r["question"][0], r["function"], answers[r["id"]]) for r in rows]
+    out = [Question(name, r["id"], r["question"][0], r["function"], answers[r["id"]]) for r in rows]
+    for q in out:
+        read_tools(q.tools)  # every question's tools convert (before any server starts)
+    return out
 
 
 def checker():

@@ -58,7 +58,7 @@ def run(args: Args) -> None:
                         if name == "free" and rnd:
                             continue
                         _, extra, choice = ROWS[name]
-                        a = toolcalls.ask(client, q, name, args.max_tokens, extra, choice)
+                        a = _ask(client, q, name, args.max_tokens, extra, choice)
                         a.extra["round"] = rnd
                         answers.append(a)
                 print(f"{server}: round {rnd + 1} of {args.rounds} done", file=sys.stderr)
@@ -66,6 +66,7 @@ def run(args: Args) -> None:
                 answers += _together(client, questions, [r for r in mine if r != "free"], args)
         finally:
             stop(proc)
+        toolcalls.save(answers, str(out / "answers.jsonl"))  # what was measured so far
     toolcalls.score(answers, {(q.set, q.id): q for q in questions})
     toolcalls.save(answers, str(out / "answers.jsonl"))
     table = summary(answers, rows)
@@ -74,19 +75,30 @@ def run(args: Args) -> None:
     print(table)
 
 
+def _ask(client: Any, q: Any, name: str, max_tokens: int, extra: dict[str, Any], choice: str) -> Any:
+    """One answer; a refusal (the server's 4xx) is recorded as an answer that finished with "error"."""
+    import openai
+
+    from speculor.bench import toolcalls
+
+    try:
+        return toolcalls.ask(client, q, name, max_tokens, extra, choice)
+    except openai.APIStatusError as exc:
+        return toolcalls.Answer(q.set, q.id, name, str(exc), [], [], 0, 0.0, 0.0, "error")
+
+
 def _together(client: Any, questions: list[Any], rows: list[str], args: Args) -> list[Any]:
     """Each row's answers with `args.clients` clients asking at once (a row named `row@N`)."""
     from concurrent.futures import ThreadPoolExecutor
     from functools import partial
 
-    from speculor.bench import toolcalls
 
     out = []
     for name in rows:
         _, extra, choice = ROWS[name]
         with ThreadPoolExecutor(args.clients) as pool:
-            got = list(pool.map(partial(toolcalls.ask, client, server=f"{name}@{args.clients}",
-                                        max_tokens=args.max_tokens, extra=extra, tool_choice=choice), questions))
+            got = list(pool.map(partial(_ask, client, name=f"{name}@{args.clients}",
+                                        max_tokens=args.max_tokens, extra=extra, choice=choice), questions))
         for a in got:
             a.extra["round"] = 0
         out += got
