@@ -122,7 +122,7 @@ def test_forced_tokens_are_filled_not_decided(grammars):
     ids = [t.id for t in toks]
     forced = sum(1 for i in range(len(ids)) if int(allowed_after(grammars, TWO, ids[:i]).sum()) == 1)
     assert forced >= 3  # "{" first, "{" in the middle, the end token
-    assert len(stats.steps) == len(ids) - forced
+    assert len(stats.steps) == len(ids) - forced and stats.forced == forced
 
 
 def test_a_batch_gives_each_request_its_answer_alone(grammars):

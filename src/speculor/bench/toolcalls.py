@@ -146,13 +146,14 @@ def ask(client: Any, q: Question, server: str, max_tokens: int, extra: dict[str,
         kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": call,
                                                                           "strict": True}}}
     t0 = time.perf_counter()
-    first, text, parts, tokens, finish = None, [], {}, 0, None
+    first, text, parts, tokens, finish, usage = None, [], {}, 0, None, {}
     stream = client.chat.completions.create(model="m", messages=q.messages, temperature=0, max_tokens=max_tokens,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body=extra or {}, **kw)
     for chunk in stream:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+            usage = {k: v for k, v in (chunk.usage.model_extra or {}).items() if k in ("steps", "forced_tokens")}
         for c in chunk.choices:
             d = c.delta
             if (d.content or d.tool_calls) and first is None:
@@ -171,7 +172,7 @@ def ask(client: Any, q: Question, server: str, max_tokens: int, extra: dict[str,
         found = [_as_call(obj.get("name", ""), json.dumps(obj.get("arguments"))) if isinstance(obj, dict) else {}]
     read = [{c.name: json.loads(c.arguments)} for c in calls(whole, read_tools(q.tools))[1]]
     return Answer(q.set, q.id, server, whole, found, read, tokens, (first or time.perf_counter()) - t0, total,
-                  finish)
+                  finish, extra=dict(usage))  # our server's steps and forced tokens
 
 
 def _json(text: str) -> Any:

@@ -56,6 +56,7 @@ class Step:
 class Stats:
     prefill_s: float = 0.0
     steps: list[Step] = field(default_factory=list)
+    forced: int = 0  # tokens a grammar forced: emitted with no decision, their rows filled (`refill`)
 
     @property
     def tau(self) -> float:
@@ -120,6 +121,7 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
             req.seq.append(t)
             req.produced += 1
             req.forced.append(_forced(t, cfg))
+            stats.forced += 1
     req.fill = req.unfilled = len(req.seq) - (not target.root_in_prompt)
     if prefill and req.unfilled:
         fill(target, req)
@@ -258,6 +260,7 @@ def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int
     for tok in run:
         req.seq.append(tok)
         req.produced += 1
+        req.stats.forced += 1
         out.append(_forced(tok, req.cfg))
         if req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and tok in eos_ids):
             return out, True

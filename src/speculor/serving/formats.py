@@ -124,13 +124,15 @@ def combined(usages: list[dict[str, Any]]) -> dict[str, Any]:
     """The usage of a request with several choices: the prompt once, the generations' counts summed."""
     if len(usages) == 1:
         return usages[0]
-    total = {k: sum(u[k] for u in usages) for k in ("completion_tokens", "accepted_tokens", "steps", "drafted_tokens")}
+    total = {k: sum(u[k] for u in usages) for k in ("completion_tokens", "accepted_tokens", "steps", "drafted_tokens",
+                                                    "forced_tokens")}
     prompt = usages[0]["prompt_tokens"]
     per_step = round(total["completion_tokens"] / total["steps"], 4) if total["steps"] else 0.0
     return {"prompt_tokens": prompt, "completion_tokens": total["completion_tokens"],
             "total_tokens": prompt + total["completion_tokens"], "tau": per_step,
             "accepted_tokens": total["accepted_tokens"], "steps": total["steps"],
-            "drafted_tokens": total["drafted_tokens"], "tokens_per_step": per_step}
+            "drafted_tokens": total["drafted_tokens"], "forced_tokens": total["forced_tokens"],
+            "tokens_per_step": per_step}
 
 
 def _sse(obj: dict[str, Any] | str) -> str:

@@ -328,5 +328,5 @@ class _Progress:
         return {"prompt_tokens": len(job.prompt), "completion_tokens": self.tokens,
                 "total_tokens": len(job.prompt) + self.tokens, "tau": round(stats.tau, 4),
                 "accepted_tokens": self.accepted, "steps": steps,
-                "drafted_tokens": sum(s.drafted for s in stats.steps),
+                "drafted_tokens": sum(s.drafted for s in stats.steps), "forced_tokens": stats.forced,
                 "tokens_per_step": round(self.tokens / steps, 4) if steps else 0.0}
