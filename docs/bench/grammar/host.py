@@ -4,9 +4,10 @@ default strategy. Run from the repository root (bfcl-eval installed):
 
     .venv/bin/python docs/bench/grammar/host.py [questions]
 
-Every entry into the grammar's state from the engine (masks, the tree walk, forced runs, fast-forward, consuming
-emitted tokens; llguidance's own calls included) is timed; printed per strategy: steps, tokens, those seconds per
-step and per token, and the generations' wall seconds per token.
+First what a forced run's fill costs per row against a decode step (a block of k rows, its last row's logits, after
+a 400-token prompt: the call a forced run makes). Then every entry into the grammar's state from the engine (masks,
+the tree walk, forced runs, fast-forward, consuming emitted tokens; llguidance's own calls included) is timed;
+printed per strategy: steps, tokens, those seconds per step and per token, and the wall seconds per token.
 """
 
 from __future__ import annotations
@@ -42,8 +43,31 @@ for _name in ("allowed", "advance", "forced_run", "fast_forward", "walk"):
     setattr(GrammarState, _name, timed(getattr(GrammarState, _name)))
 
 
+def fill_cost(pair, reps: int = 7) -> None:
+    """Seconds of a k-row fill call (last row's logits) over k, against a one-row call, median of `reps`."""
+    from speculor.runtime.backend import forward1
+
+    target = pair.target
+    cache = target.new_cache()
+    forward1(target, cache, list(range(1000, 1400)), last=True)
+    cache.keep(list(range(400)))
+    one = None
+    for k in (1, 2, 4, 8, 16, 32):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            forward1(target, cache, list(range(2000, 2000 + k)), last=True)
+            times.append(time.perf_counter() - t0)
+            cache.keep([])
+        t = sorted(times)[reps // 2]
+        one = one or t
+        print(f"fill of {k:2d} rows: {1000 * t:6.1f} ms, {1000 * t / k:5.1f} ms a row = {t / k / one:.2f} of a "
+              "decode step")
+
+
 def main(n: int) -> None:
     pair = load_pair(threads=2)
+    fill_cost(pair)
     sp = Speculor(pair, strategy="plain")
     qs = toolcalls.load("bfcl-simple", n)
     cfg = SamplingConfig(max_new_tokens=256)
