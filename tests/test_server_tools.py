@@ -221,3 +221,16 @@ def test_a_streamed_call_arrives_in_pieces_before_it_closes():
     more = stream.add('c", "more": "xxxxxxxxxxxxxx')
     assert more and more[0][0] == "arguments"  # sent before the block closed
     assert isinstance(TOOLS[0], Tool)
+
+
+def test_the_library_returns_the_servers_calls(pair, client):
+    from speculor import SamplingConfig, Speculor
+
+    sp = Speculor(pair, strategy="chain")
+    out = sp.generate(ASK, SamplingConfig(max_new_tokens=96), tools=[WEATHER, TIME], tool_choice="required")
+    served = ask(client, tools=[WEATHER, TIME], tool_choice="required").choices[0].message
+    assert out.finish_reason == "tool_calls" and out.tool_calls
+    assert (out.content, [(c.name, c.arguments) for c in out.tool_calls]) == answer(served)
+    js = sp.generate("Say:", SamplingConfig(max_new_tokens=60), response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}})
+    assert set(json.loads(js.text)) == {"ok", "level"}
