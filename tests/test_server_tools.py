@@ -130,6 +130,15 @@ def test_response_format_json_schema_and_json_object(client):
         assert r.choices[0].message.content.startswith("{")
 
 
+def test_a_schema_keeps_its_order_of_properties(http):
+    """The object comes out in the schema's order of properties (llguidance keeps it): nothing reorders them."""
+    for order in (["ok", "level"], ["level", "ok"]):
+        schema = {**SCHEMA, "properties": {k: SCHEMA["properties"][k] for k in order}}
+        r = http.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 60, "temperature": 0,
+                                               "json_schema": schema}).json()
+        assert list(json.loads(r["choices"][0]["text"])) == order
+
+
 def test_llama_server_fields_on_completions(http):
     r = http.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 40, "temperature": 0,
                                            "grammar": 'root ::= "yes" | "no" | "maybe"'}).json()

@@ -42,12 +42,13 @@ def main() -> None:
         compile_ms = 1000 * (time.perf_counter() - t0)
         ids = tok(TEXTS[name], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         times = []
-        for t in ids:
+        for i, t in enumerate(ids):
             t0 = time.perf_counter()
             m.compute_bitmask()
             times.append(1e6 * (time.perf_counter() - t0))
+            if i == len(ids) - 1:  # before the end token: three back and forth again
+                assert m.rollback(3) and m.consume_tokens(ids[i - 3:i]), m.get_error()
             assert m.consume_token(t), (name, tok.decode([t]), m.get_error())
-        assert m.rollback(len(ids)) and m.consume_tokens(ids)
         print(f"  {name:12s} compile {compile_ms:7.2f} ms, mask {statistics.median(times):6.1f} us median, "
               f"{max(times):7.1f} max over {len(ids)} tokens; rollback ok")
     xgrammar(tok, constraints, tools)
@@ -80,14 +81,16 @@ def xgrammar(tok, constraints, tools) -> None:
         bitmask = torch.zeros((1, (V + 31) // 32), dtype=torch.int32)
         ids = tok(TEXTS[name], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         times = []
-        for t in ids:
+        for i, t in enumerate(ids):
             t0 = time.perf_counter()
             m.fill_next_token_bitmask(bitmask)
             times.append(1e6 * (time.perf_counter() - t0))
+            if i == len(ids) - 1:
+                m.rollback(3)
+                assert all(m.accept_token(x) for x in ids[i - 3:i])
             if not m.accept_token(t):
                 print(f"  {name}: xgrammar refused {tok.decode([t])!r}")
                 break
-        m.rollback(1)
         print(f"  {name:12s} compile {compile_ms:7.2f} ms, mask {statistics.median(times):6.1f} us median, "
               f"{max(times):7.1f} max over {len(times)} tokens; rollback ok")
 

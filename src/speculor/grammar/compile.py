@@ -37,7 +37,7 @@ class Constraint:
     def json_schema(schema: dict[str, Any] | bool) -> Constraint:
         if not isinstance(schema, (dict, bool)):
             raise SpeculorError(f"a JSON schema is an object, got {type(schema).__name__}")
-        return Constraint("json_schema", json.dumps(schema, sort_keys=True))
+        return Constraint("json_schema", json.dumps(schema))  # as given: the order of properties is the output's
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form) of this constraint; SpeculorError when it cannot be written."""
