@@ -63,7 +63,7 @@ def xgrammar(tok, constraints, tools) -> None:
     t0 = time.perf_counter()
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V)
     compiler = xgr.GrammarCompiler(info)
-    print(f"xgrammar {xgr.__version__}: tokenizer {1000 * (time.perf_counter() - t0):.0f} ms")
+    print(f"xgrammar {__import__('importlib.metadata').metadata.version('xgrammar')}: tokenizer {1000 * (time.perf_counter() - t0):.0f} ms")
     import torch
 
     for name in constraints:
