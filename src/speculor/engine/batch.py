@@ -90,7 +90,8 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     emitted: dict[int, list[Token]] = {}
     for a, out in zip(filling, results, strict=False):
         filled(a.req, out, len(chunks[id(a)]))
-        a.req.stats.prefill_s += t2 - t1
+        if not a.req.produced:  # a prompt's chunk (a forced run's fill counts in no step: it decides nothing)
+            a.req.stats.prefill_s += t2 - t1
         if memory and not a.req.unfilled and not a.req.produced:  # a prompt's (not a forced run's: loop.refill)
             memory.remember(a.req.cache, _prompt(a.req), chunk, a.req.ready)
         emitted[id(a)] = []
