@@ -90,10 +90,11 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     emitted: dict[int, list[Token]] = {}
     for a, out in zip(filling, results, strict=False):
         filled(a.req, out, len(chunks[id(a)]))
-        if not a.req.produced:  # a prompt's chunk (a forced run's fill counts in no step: it decides nothing)
+        if not a.req.produced:  # a prompt's chunk (a forced run's fill, loop.refill, is no prompt: it is neither
+            # prefill time nor cells to lend)
             a.req.stats.prefill_s += t2 - t1
-        if memory and not a.req.unfilled and not a.req.produced:  # a prompt's (not a forced run's: loop.refill)
-            memory.remember(a.req.cache, _prompt(a.req), chunk, a.req.ready)
+            if memory and not a.req.unfilled:
+                memory.remember(a.req.cache, _prompt(a.req), chunk, a.req.ready)
         emitted[id(a)] = []
     settled = [(a, tree, next(results) if b is not None else None, share if d else 0.0, t2 - t1)
                for a, tree, b, d in zip(decoding, trees, own, drafted, strict=True)]

@@ -96,7 +96,7 @@ class Request:
     scores: list | None = None  # the last step's (logprob, top) per emitted token, with cfg.logprobs (`settle`)
     grammar: GrammarState | None = None  # its constraint's state (grammar/state.py), None: unconstrained
     walk: Walk | None = None  # this step's tree as the grammar sees it: its masks, and the drafter's node indices
-    forced: list[Token] = field(default_factory=list)  # forced tokens not yet emitted (the ones before the first)
+    pending: list[Token] = field(default_factory=list)  # forced tokens not yet emitted (the ones before the first)
     root_in_prompt: bool = False  # the target's: whether a fill's last call scores its last token (`refill`)
 
 
@@ -116,13 +116,9 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
                   root_in_prompt=target.root_in_prompt)
     if drafter is not None:
         drafter.reset()
-    if grammar is not None:
-        for t in grammar.forced_run(cfg.max_new_tokens - 1):  # one token at least is the first step's
-            req.seq.append(t)
-            req.produced += 1
-            req.forced.append(_forced(t, cfg))
-            stats.forced += 1
-    req.fill = req.unfilled = len(req.seq) - (not target.root_in_prompt)
+    if grammar is not None:  # one token at least is the first step's
+        req.pending = [_append_forced(req, t) for t in grammar.forced_run(cfg.max_new_tokens - 1)]
+    refill(req)
     if prefill and req.unfilled:
         fill(target, req)
     stats.prefill_s = time.perf_counter() - t0
@@ -137,16 +133,25 @@ def fill(target: Backend, req: Request) -> None:
 
 
 def refill(req: Request) -> None:
-    """After a forced run: the tokens the cache lacks (the last decided one and the run) wait for a fill, whose last
-    call scores the root where the target's prompt calls do (`root_in_prompt`), as a prompt's. Plain and
+    """The tokens the cache lacks wait for a fill (the prompt; after a forced run, the last decided token and the
+    run), whose last call scores the root where the target's prompt calls do (`root_in_prompt`). Plain and
     speculative decoding compute a forced run's rows alike, so both stay identical."""
     req.fill = len(req.seq) - (not req.root_in_prompt)
     req.unfilled = req.fill - req.cache.length
 
 
-def _forced(token: int, cfg: SamplingConfig) -> Token:
-    """A forced token: probability 1 under the masked target (log-probability 0, no alternative)."""
-    return Token(token, False, 0.0 if cfg.logprobs is not None else None)
+def _append_forced(req: Request, token: int) -> Token:
+    """Append a forced token to the request's sequence; its event: probability 1 under the masked target
+    (log-probability 0, no alternative)."""
+    req.seq.append(token)
+    req.produced += 1
+    req.stats.forced += 1
+    return Token(token, False, 0.0 if req.cfg.logprobs is not None else None)
+
+
+def _ends(req: Request, token: int, eos_ids: frozenset[int]) -> bool:
+    """Whether the request is done once `token` is appended: max_new_tokens, or an end-of-sequence token."""
+    return req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and token in eos_ids)
 
 
 def prompt_features(target: Backend, req: Request) -> bool:
@@ -245,12 +250,12 @@ def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int
     """Append the step's tokens (accepted path, then the recovered/bonus token; under a grammar, then the tokens it
     forces) to the request's sequence, up to max_new_tokens or an end-of-sequence token; (those tokens, whether
     the request is done). A forced run waits for its fill (`refill`)."""
-    out, req.forced = req.forced, []
+    out, req.pending = req.pending, []
     for i, tok in enumerate([int(tree.tokens[j]) for j in verdict.path] + [verdict.token]):
         req.seq.append(tok)
         req.produced += 1
         out.append(Token(tok, i < len(verdict.path), *(req.scores[i] if req.scores is not None else (None, ()))))
-        if req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and tok in eos_ids):
+        if _ends(req, tok, eos_ids):
             return out, True
         if req.grammar is not None:
             req.grammar.advance(tok)
@@ -258,11 +263,8 @@ def emit(req: Request, tree: DraftTree, verdict: Verdict, eos_ids: frozenset[int
         return out, False
     run = req.grammar.forced_run(req.cfg.max_new_tokens - req.produced)
     for tok in run:
-        req.seq.append(tok)
-        req.produced += 1
-        req.stats.forced += 1
-        out.append(_forced(tok, req.cfg))
-        if req.produced >= req.cfg.max_new_tokens or (req.cfg.stop_on_eos and tok in eos_ids):
+        out.append(_append_forced(req, tok))
+        if _ends(req, tok, eos_ids):
             return out, True
     if run:
         refill(req)

@@ -103,9 +103,8 @@ class GrammarState:
 
         visit(-1, root)
         keep = sorted(masks)
-        if len(keep) == len(tree):
-            return Walk(tree, keep, torch.stack([root] + [masks[i] for i in keep]))
-        return Walk(subtree(tree, keep), keep, torch.stack([root] + [masks[i] for i in keep]))
+        return Walk(tree if len(keep) == len(tree) else subtree(tree, keep), keep,
+                    torch.stack([root] + [masks[i] for i in keep]))
 
 
 def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
