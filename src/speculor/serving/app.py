@@ -207,20 +207,22 @@ class _Server:
         for name in ("tool_choice", "parallel_tool_calls"):
             if getattr(req, name, None) is not None and tools_ is None:
                 raise APIError(400, f"{name} needs tools", param=name)
-        param = next(iter(given), None)
         try:
-            if tools_ is not None:
-                read = tool_calls.read_tools(tools_)
-                constraint = self.sp.tool_constraint(read, req.tool_choice, req.parallel_tool_calls is not False)
-            else:
-                read = []
-                constraint = (tool_calls.response_constraint(req.response_format) if req.response_format else
-                              Constraint.json_schema(req.json_schema) if req.json_schema is not None else
-                              Constraint("gbnf", req.grammar) if req.grammar is not None else None)
+            read = tool_calls.read_tools(tools_) if tools_ is not None else []
+        except SpeculorError as exc:
+            raise bad_request(exc, "tools") from exc
+        try:  # where there are tools, only tool_choice can be wrong here
+            constraint = (self.sp.tool_constraint(read, req.tool_choice, req.parallel_tool_calls is not False) if read
+                          else tool_calls.response_constraint(req.response_format) if req.response_format else
+                          Constraint.json_schema(req.json_schema) if req.json_schema is not None else
+                          Constraint("gbnf", req.grammar) if req.grammar is not None else None)
+        except SpeculorError as exc:
+            raise bad_request(exc, "tool_choice" if read else next(iter(given), None)) from exc
+        try:
             if constraint is not None:
                 self.sp.grammars.matcher(constraint)  # compiled and kept; a 400 if it does not compile
         except SpeculorError as exc:
-            raise bad_request(exc, "tool_choice" if "tool_choice" in str(exc) else param) from exc
+            raise bad_request(exc, next(iter(given), None)) from exc
         return constraint, read if constraint is not None or not read else []  # "none": no call is read back
 
     async def check_strategy(self, job: Job) -> None:
