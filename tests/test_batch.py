@@ -274,10 +274,10 @@ def run_joining(target, makers, prompts, cfgs, chunk: int, join_at: int) -> tupl
     per_step, steps = [], 0
     while any(not a.done for a in reqs):
         if steps == join_at:
-            reqs += [batched_engine.Active(engine.start(target, make(), p, c, prefill=False), frozenset())
+            reqs += [batched_engine.Active(engine.start(target, make(), p, c, prefill=False, chunk=chunk), frozenset())
                      for make, p, c in zip(makers[1:], prompts[1:], cfgs[1:], strict=True)]
         active = [a for a in reqs if not a.done]
-        for a, toks in zip(active, batched_engine.step(target, active, chunk=chunk), strict=True):
+        for a, toks in zip(active, batched_engine.step(target, active), strict=True):
             out[reqs.index(a)].extend(t.id for t in toks)
             if a is reqs[0]:
                 per_step.append(len(toks))
@@ -324,21 +324,21 @@ def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_o
 def test_prefill_chunks_do_not_depend_on_the_batch(pair):
     """A request filled in chunks emits the same tokens whoever runs beside it, and the chunk rows are the ledger's."""
     target, _ = pair
-    req = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3), prefill=False)
+    req = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3), prefill=False, chunk=4)
     assert req.unfilled == len(PROMPTS[2]) - 1 and req.cache.length == 0
-    assert batched_engine._chunk(req, 4) == PROMPTS[2][:4]
-    batched_engine.step(target, [batched_engine.Active(req, frozenset())], chunk=4)
-    assert req.unfilled == 4 and req.cache.length == 4 and batched_engine._chunk(req, 4) == PROMPTS[2][4:8]
-    batched_engine.step(target, [batched_engine.Active(req, frozenset())], chunk=4)
+    assert batched_engine._chunk(req) == PROMPTS[2][:4]
+    batched_engine.step(target, [batched_engine.Active(req, frozenset())])
+    assert req.unfilled == 4 and req.cache.length == 4 and batched_engine._chunk(req) == PROMPTS[2][4:8]
+    batched_engine.step(target, [batched_engine.Active(req, frozenset())])
     assert req.unfilled == 0 and req.cache.length == 8 and req.stats.steps == []
-    lent = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3), prefill=False)
+    lent = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3), prefill=False, chunk=4)
     lent.unfilled -= 3  # as a prompt memory lends 3 cells: the next chunk ends on the grid
-    assert batched_engine._chunk(lent, 4) == PROMPTS[2][3:4]
-    long = engine.start(target, None, list(range(1, 22)), SamplingConfig(max_new_tokens=3), prefill=False)
-    assert batched_engine._chunk(long, 8, 8) == list(range(1, 9))  # 12 left after it: a chunk on the grid
+    assert batched_engine._chunk(lent) == PROMPTS[2][3:4]
+    long = engine.start(target, None, list(range(1, 22)), SamplingConfig(max_new_tokens=3), prefill=False, chunk=8)
+    assert batched_engine._chunk(long, 8) == list(range(1, 9))  # 12 left after it: a chunk on the grid
     long.unfilled -= 8
-    assert batched_engine._chunk(long, 8, 8) == list(range(9, 21))  # 4 left after 8 more: it takes them (least 8)
-    assert batched_engine._chunk(long, 8) == list(range(9, 17))
+    assert batched_engine._chunk(long, 8) == list(range(9, 21))  # 4 left after 8 more: it takes them (least 8)
+    assert batched_engine._chunk(long) == list(range(9, 17))
     whole = engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=3))
     assert torch.allclose(req.cache.layers[0].keys[..., :8, :], whole.cache.layers[0].keys[..., :8, :], atol=1e-5)
 
@@ -351,24 +351,24 @@ def test_prompts_take_more_chunks_a_step_while_none_decodes(pair, monkeypatch):
     cfg = SamplingConfig(max_new_tokens=4)
     prompts = [list(range(1, 42)), list(range(50, 60))]  # 40 and 9 prompt rows before the roots
     alone = [[t.id for t in engine.stream(target, None, p, cfg)] for p in prompts]
-    req = engine.start(target, None, prompts[0], cfg, prefill=False)
-    assert batched_engine._chunk(req, 4, 1, 3) == prompts[0][:12]
+    req = engine.start(target, None, prompts[0], cfg, prefill=False, chunk=4)
+    assert batched_engine._chunk(req, 1, 3) == prompts[0][:12]
     req.unfilled -= 3  # as a prompt memory lends 3 cells: the span ends on the grid
-    assert batched_engine._chunk(req, 4, 1, 3) == prompts[0][3:12]
+    assert batched_engine._chunk(req, 1, 3) == prompts[0][3:12]
     req.unfilled -= 21
-    assert batched_engine._chunk(req, 4, 8, 3) == prompts[0][24:40]  # 4 left after 12: the rest joins the chunk
+    assert batched_engine._chunk(req, 8, 3) == prompts[0][24:40]  # 4 left after 12: the rest joins the chunk
     # 16 rows: 8 each, then the short prompt decodes (4 a step for the long one), then the long one alone its rest
     for fill_rows, calls in ((16, [8, 8, 8, 1, 4, 4, 4, 4, 8]), (0, [4, 4, 4, 4, 4, 1] + [4] * 7)):
         monkeypatch.setattr(target, "fill_rows", fill_rows)
         chunks: list[tuple[int, bool]] = []
         target.forward = _recording(target.forward, chunks)
         try:
-            batch = [batched_engine.Active(engine.start(target, None, p, cfg, prefill=False), frozenset())
+            batch = [batched_engine.Active(engine.start(target, None, p, cfg, prefill=False, chunk=4), frozenset())
                      for p in prompts]
             out: list[list[int]] = [[], []]
             while not all(a.done for a in batch):
                 active = [a for a in batch if not a.done]
-                for a, toks in zip(active, batched_engine.step(target, active, chunk=4), strict=True):
+                for a, toks in zip(active, batched_engine.step(target, active), strict=True):
                     out[batch.index(a)].extend(t.id for t in toks)
         finally:
             del target.forward
@@ -384,13 +384,13 @@ def test_batch_aware_drafters_do_not_draft_while_a_prompt_is_filled_beside_them(
     d = DySpecDrafter(draft, DySpecOptions(budget="auto"), FLAT)
     running = batched_engine.Active(engine.start(target, d, PROMPTS[0], cfg), frozenset())
     joiner = batched_engine.Active(engine.start(target, None, PROMPTS[2], SamplingConfig(max_new_tokens=2),
-                                                prefill=False), frozenset())
+                                                prefill=False, chunk=4), frozenset())
     batched_engine.step(target, [running])
     assert not d.skipped  # alone: it drafts
-    batched_engine.step(target, [running, joiner], chunk=4)
+    batched_engine.step(target, [running, joiner])
     assert d.skipped and d.forwards == 0 and joiner.req.unfilled > 0
     while joiner.req.unfilled:
-        batched_engine.step(target, [running, joiner], chunk=4)
+        batched_engine.step(target, [running, joiner])
     batched_engine.step(target, [running])
     assert not d.skipped
     want = [t.id for t in engine.stream(target, None, PROMPTS[0], cfg)]

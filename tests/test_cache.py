@@ -11,7 +11,7 @@ from support.tiny import VOCAB, reference_logits, tiny_model
 from speculor import SamplingConfig, engine
 from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.static_tree import TreeDrafter
-from speculor.engine.loop import _step
+from speculor.engine.loop import one_step
 from speculor.runtime import cache as cache_module
 from speculor.runtime.backend import forward1
 from speculor.runtime.model import Model
@@ -72,7 +72,7 @@ def test_requests_share_the_model_not_their_state(model):
         for i, req in enumerate(reqs):
             if len(out[i]) >= cfg.max_new_tokens:
                 continue
-            verdict, tree, _ = _step(model, req)
+            verdict, tree, _ = one_step(model, req)
             for tok in [int(tree.tokens[j]) for j in verdict.path] + [verdict.token]:
                 req.seq.append(tok)
                 out[i].append(tok)
@@ -93,7 +93,7 @@ def test_sampled_requests_depend_on_their_own_seed_only(model):
     got: list[int] = []
     while len(got) < a.max_new_tokens:
         for req in (rb, ra):
-            verdict, tree, _ = _step(model, req)
+            verdict, tree, _ = one_step(model, req)
             toks = [int(tree.tokens[j]) for j in verdict.path] + [verdict.token]
             req.seq.extend(toks)
             if req is ra:

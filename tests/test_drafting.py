@@ -20,7 +20,7 @@ from speculor.drafters.ngram import NgramDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.drafters.values import worth
 from speculor.engine import drafting
-from speculor.engine.drafting import Book, drive, rounds
+from speculor.engine.drafting import BatchPlan, drive, rounds
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Block, forward1
 from speculor.runtime.cost import CostModel
@@ -141,7 +141,7 @@ def test_a_steps_draft_forwards_are_one_per_round(models) -> None:
         [ChainDrafter(draft, 3), ChainDrafter(draft, 3), TreeDrafter(draft, [-1, -1, 0, 1]), ChainDrafter(draft, 3)],
         PROMPTS, strict=True)]
     with Counting(draft) as seen:
-        trees, _ = drafting.propose_all(reqs, Book(len(reqs)))
+        trees, _ = drafting.propose_all(reqs, BatchPlan(len(reqs)))
     assert [len(t) for t in trees] == [3, 3, 4, 3]
     prompt_rows = sum(len(p) for p in PROMPTS)  # round 0: each request catches up its prompt
     assert seen.rows == [prompt_rows, 3 + 2, 3]  # round 1: three chain rows and the tree's two depth-1 nodes
@@ -193,12 +193,12 @@ def test_a_failing_request_fails_the_step_and_ends_the_others_proposals(models) 
     reqs = [engine.start(target, d, p, cfg) for d, p in zip(
         [ChainDrafter(draft, 3), Failing(draft), waiting], PROMPTS[:3], strict=True)]
     with pytest.raises(SpeculorError, match="not finite"):
-        drafting.propose_all(reqs, Book(3))
+        drafting.propose_all(reqs, BatchPlan(3))
     assert waiting.closed  # its proposal was ended where it waited, not left suspended
     with pytest.raises(ZeroDivisionError):
         rounds([_raising()], apart=False)
     trees, _ = drafting.propose_all([engine.start(target, ChainDrafter(draft, 2), p, cfg) for p in PROMPTS[:3]],
-                                    Book(3))
+                                    BatchPlan(3))
     assert [len(t) for t in trees] == [2, 2, 2]  # the next step drafts as usual
 
 
@@ -213,14 +213,14 @@ FLAT = CostModel((1, 2, 64), (0.30, 0.33, 2.0), (1, 16, 64), (0.06, 0.09, 0.2))
 
 
 def test_a_seat_sees_the_others_rows_tokens_and_shared_draft_forwards() -> None:
-    book = Book(3)
-    book.drafted(0, 0, 4)
-    book.drafted(0, 1, 1)
-    seat = book.seat(2)
+    plan = BatchPlan(3)
+    plan.drafted(0, 0, 4)
+    plan.drafted(0, 1, 1)
+    seat = plan.seat(2)
     assert seat.draft_rows == [5]
     assert seat.draft_s(FLAT.t_draft) == pytest.approx(FLAT.t_draft(5))  # one shared forward of 5 rows
     seat.publish(7, 3.5)
-    assert (book.seat(0).rows, book.seat(0).tokens) == (1 + 7, 1.0 + 3.5)
+    assert (plan.seat(0).rows, plan.seat(0).tokens) == (1 + 7, 1.0 + 3.5)
     assert BatchLedger().draft_s(FLAT.t_draft) == 0.0
 
 
@@ -248,7 +248,7 @@ def test_a_proposal_driven_alone_gives_the_tree_it_gives_inside_a_batch(models, 
         alone = drive(make().propose(PROMPTS[i], cfg, torch.Generator().manual_seed(i)), apart=apart)
         reqs = [engine.start(target, m(), p, replace(cfg, seed=i if j == i else 50 + j))
                 for j, (m, p) in enumerate(zip(makers, PROMPTS, strict=True))]
-        together = drafting.propose_all(reqs, Book(len(reqs)))[0][i]
+        together = drafting.propose_all(reqs, BatchPlan(len(reqs)))[0][i]
         assert torch.equal(alone.tokens, together.tokens) and torch.equal(alone.parents, together.parents)
         assert (alone.q is None) == (together.q is None)
         if alone.q is not None:
@@ -263,29 +263,29 @@ ROUNDS = CostModel((1, 8, 64), (0.234, 0.282, 1.2), (1, 8, 64), (0.030, 0.036, 0
 
 
 def test_settle_prices_a_round_once_for_all_its_bids() -> None:
-    book = Book(4)
-    bids = [drafting.Bid(book, ROUNDS, 0.3, 1, 1) for _ in range(4)]
+    plan = BatchPlan(4)
+    bids = [drafting.RoundBid(plan, ROUNDS, 0.3, 1, 1) for _ in range(4)]
     assert drafting.settle(bids) == [True] * 4  # (4 + 1.2) / (36 ms + t(8)) beats 4 / t(4)
     # negative control: the same bid priced alone, as the request-by-request rule prices it, does not pay
-    assert not worth(ROUNDS, 0, 0.0, 0.0, 0.3, 1, ROUNDS.t_draft(1), book.seat(0))
+    assert not worth(ROUNDS, 0, 0.0, 0.0, 0.3, 1, ROUNDS.t_draft(1), plan.seat(0))
     assert drafting.settle(bids[:1]) == [False]  # one bid carries the whole round: it does not pay either
-    assert drafting.settle([drafting.Bid(book, ROUNDS, 0.02, 1, 1) for _ in range(4)]) == [False] * 4
+    assert drafting.settle([drafting.RoundBid(plan, ROUNDS, 0.02, 1, 1) for _ in range(4)]) == [False] * 4
 
 
 def test_settle_leaves_out_a_bid_whose_rows_cost_more_than_it_brings() -> None:
-    book = Book(4)
-    far = drafting.Bid(book, ROUNDS, 0.8, 1, 50)  # a draft cache 50 tokens behind: its catch-up is 50 rows
-    near = [drafting.Bid(book, ROUNDS, 0.8, 1, 1) for _ in range(3)]
+    plan = BatchPlan(4)
+    far = drafting.RoundBid(plan, ROUNDS, 0.8, 1, 50)  # a draft cache 50 tokens behind: its catch-up is 50 rows
+    near = [drafting.RoundBid(plan, ROUNDS, 0.8, 1, 1) for _ in range(3)]
     assert drafting.settle([far, *near]) == [False, True, True, True]
-    book.extra = 60  # a prompt chunk in the step makes every target row dearer: still judged jointly
+    plan.extra = 60  # a prompt chunk in the step makes every target row dearer: still judged jointly
     assert drafting.settle(near) == [True] * 3
 
 
 def test_bids_of_a_round_are_settled_together_before_its_forward() -> None:
     """Proposals bid through their seats: each gets the joint answer; driven alone, or with joint=False, a bid is
     answered None (the drafter decides alone)."""
-    book = Book(3)
-    seats = [book.seat(i) for i in range(3)]
+    plan = BatchPlan(3)
+    seats = [plan.seat(i) for i in range(3)]
     gains = [0.3, 0.3, 0.3]
     got = rounds([_bidder(s, g) for s, g in zip(seats, gains, strict=True)], apart=False)
     assert got == [True, True, True]
@@ -305,10 +305,10 @@ def _no_bid():
 
 
 def test_settle_charges_a_catch_up_share_to_its_own_bid() -> None:
-    book = Book(2)
-    near = drafting.Bid(book, ROUNDS, 0.8, 1, 1)
-    assert drafting.settle([near, drafting.Bid(book, ROUNDS, 0.8, 1, 1, once=0.5)]) == [True, False]
-    assert drafting.settle([near, drafting.Bid(book, ROUNDS, 0.8, 1, 1, once=0.001)]) == [True, True]
+    plan = BatchPlan(2)
+    near = drafting.RoundBid(plan, ROUNDS, 0.8, 1, 1)
+    assert drafting.settle([near, drafting.RoundBid(plan, ROUNDS, 0.8, 1, 1, once=0.5)]) == [True, False]
+    assert drafting.settle([near, drafting.RoundBid(plan, ROUNDS, 0.8, 1, 1, once=0.001)]) == [True, True]
 
 
 @fbgemm
@@ -319,10 +319,10 @@ def test_batch_aware_dyspec_drafts_in_shared_rounds(models) -> None:
     cfg = SamplingConfig(max_new_tokens=64)
     drafters = [DySpecDrafter(draft, DySpecOptions(budget="auto"), ROUNDS) for _ in range(4)]
     reqs = [engine.start(target, d, p, cfg) for d, p in zip(drafters, PROMPTS, strict=True)]
-    book = Book(len(reqs))
-    trees, _ = drafting.propose_all(reqs, book)
+    plan = BatchPlan(len(reqs))
+    trees, _ = drafting.propose_all(reqs, plan)
     assert not any(d.skipped for d in drafters) and all(len(t) >= 1 for t in trees)
-    assert book.draft[0] == [len(r.seq) for r in reqs]  # round 0: the four catch-ups in one forward
+    assert plan.draft[0] == [len(r.seq) for r in reqs]  # round 0: the four catch-ups in one forward
     cfg = SamplingConfig(max_new_tokens=8)
     want = [[t.id for t in engine.stream(target, None, p, cfg)] for p in PROMPTS]
     made = [lambda: DySpecDrafter(draft, DySpecOptions(budget="auto"), ROUNDS)] * 4

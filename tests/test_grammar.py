@@ -12,7 +12,7 @@ from support.exact import EXACT, Tables, iid_draws, l1, real_law
 from support.stats import goodness_of_fit
 from support.toy import ToyLM, random_toy
 
-import speculor.engine.loop as loop
+import speculor.engine.steps as steps
 from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.tree import DraftTree
@@ -270,7 +270,7 @@ def test_sampling_under_a_grammar_follows_the_masked_law(grammars, root):
 def test_chi_square_catches_tree_rows_left_unmasked(grammars, monkeypatch):
     """Negative control: the mask applied to the root row alone. Accepted draft tokens then follow the unmasked p
     (or break the grammar): the harness must see it."""
-    monkeypatch.setattr(loop, "masked", lambda z, m: masked(z, torch.cat([m[:1], torch.ones_like(m[1:])])))
+    monkeypatch.setattr(steps, "masked", lambda z, m: masked(z, torch.cat([m[:1], torch.ones_like(m[1:])])))
     target, draft = toy_target(3), toy_target(4)
     try:
         counts = engine_counts(target, draft, 3000, False)

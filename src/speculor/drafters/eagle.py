@@ -4,7 +4,7 @@ known before the token is seen, siblings SWOR): exact under sampling, and batch-
 `dyspec`. The pool's other strategy, specinfer:drafters=boosted, merges every SSM's tree (heads.py `BoostedDrafter`).
 
 The drafters that read the target's hidden states have a `store` (one request's FeatureStore), and the engine gives
-it the target's features of every committed position (engine/loop.py `keep_features`).
+it the target's features of every committed position (engine/steps.py `keep_features`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class EagleDrafter(DySpecDrafter):
             self.reads_features = True
         if self.reads_features and len(seq) > 1 and self.store.get(len(seq) - 2) is None:
             return self.decline()  # no draft before the root's parent has a feature (a head without it walks the
-            # whole prompt; a prompt whose call scored the root gave none: engine/loop.py `prompt_features`)
+            # whole prompt; a prompt whose call scored the root gave none: engine/steps.py `prompt_features`)
         tree = yield from super().propose(seq, cfg, generator)
         if self.skipped and self.ledger is None:  # alone, `can_pay` only falls (a is frozen then)
             self.reads_features = False

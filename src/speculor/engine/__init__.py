@@ -1,5 +1,8 @@
-"""The decoding loop (`loop.py`): one step = propose a draft tree, one target forward over it, verify, commit."""
+"""The engine: a request's types (request.py), its part of a step (steps.py), the single-stream driver (loop.py),
+the batched step (batch.py) and the step's drafting (drafting.py)."""
 
-from speculor.engine.loop import Request, Stats, Step, Token, check_prompt, start, stream
+from speculor.engine.loop import stream
+from speculor.engine.request import Request, Stats, Step, Token, check_prompt
+from speculor.engine.steps import start
 
 __all__ = ["Request", "Stats", "Step", "Token", "check_prompt", "start", "stream"]

@@ -23,20 +23,9 @@ from dataclasses import dataclass
 from speculor.config import SamplingConfig
 from speculor.core.tree import EMPTY
 from speculor.drafters.base import Drafter
-from speculor.engine.drafting import Book, propose_all
-from speculor.engine.loop import (
-    Request,
-    Stats,
-    Token,
-    block,
-    emit,
-    filled,
-    prompt_features,
-    reads_features,
-    record,
-    settle,
-    start,
-)
+from speculor.engine.drafting import BatchPlan, propose_all
+from speculor.engine.request import Request, Stats, Token
+from speculor.engine.steps import block, emit, filled, prompt_features, record, settle, start
 from speculor.runtime.backend import Backend, Block, PromptMemory
 
 
@@ -49,34 +38,24 @@ class Active:
     done: bool = False
 
 
-PREFILL_CHUNK = 32  # prompt tokens a joining request adds to one batched forward (its rows cost ~ one step's)
-
-
-def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -> list[list[Token]]:
+def step(target: Backend, batch: Sequence[Active]) -> list[list[Token]]:
     """One batched step over the active requests; the tokens each one emits (already appended to its seq).
 
     A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
     to the same forward instead of a tree and emits nothing this step, but its first token where its last chunk
     scored the root (`Request.ready`): a joining request slows the running ones by a chunk's rows a step instead
     of stopping them for its whole prefill; while none decodes, the fillers share the backend's `fill_rows` in
-    whole chunks. The calls start and end on one grid whatever else is in the batch. A
-    backend with a prompt memory (runtime/backend.py `PromptMemory`) lends a new prompt the cells of the chunks it
-    starts with (the same prompt: all, and its root's result: it emits its first token at once), and keeps each
-    prompt's once filled."""
+    whole chunks. The calls start and end on one grid whatever else is in the batch. A backend with a prompt memory
+    (runtime/backend.py `PromptMemory`) keeps each prompt once filled (and lent the chunks a new prompt starts
+    with at its admission: engine/steps.py `start`)."""
     memory = target if isinstance(target, PromptMemory) else None
-    for a in batch:
-        if memory and a.req.unfilled and a.req.cache.length == 0 and not reads_features(a.req):
-            lent, ready = memory.reuse(a.req.cache, _prompt(a.req), chunk)
-            a.req.unfilled -= lent
-            if ready is not None and a.req.fill == len(a.req.seq):  # the root's result, as the last call gave it
-                a.req.ready = ready
     filling = [a for a in batch if a.req.unfilled]
     decoding = [a for a in batch if not a.req.unfilled]
     # while none decodes, the fillers share the backend's fill_rows in whole chunks (calls on the grid all the same)
-    n = 1 if decoding else max(1, target.fill_rows // max(len(filling), 1) // chunk)
-    chunks = {id(a): _chunk(a.req, chunk, target.min_chunk, n) for a in filling}
-    book = Book(len(decoding), extra=sum(len(c) for c in chunks.values()))
-    trees, draft_s = propose_all([a.req for a in decoding], book)
+    chunks = {id(a): _chunk(a.req, target.min_chunk, 1 if decoding else
+                            max(1, target.fill_rows // max(len(filling), 1) // a.req.chunk)) for a in filling}
+    plan = BatchPlan(len(decoding), extra=sum(len(c) for c in chunks.values()))
+    trees, draft_s = propose_all([a.req for a in decoding], plan)
     drafted = [a.req.drafter is not None and a.req.ready is None for a in decoding]
     share = draft_s / max(sum(drafted), 1)  # the drafting was shared
     # a chunk's logits: only its last row's (the root's, read by the first step, where the chunk ends with it), or
@@ -90,15 +69,15 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     emitted: dict[int, list[Token]] = {}
     for a, out in zip(filling, results, strict=False):
         filled(a.req, out, len(chunks[id(a)]))
-        if not a.req.produced:  # a prompt's chunk (a forced run's fill, loop.refill, is no prompt: it is neither
+        if not a.req.produced:  # a prompt's chunk (a forced run's fill, steps.refill, is no prompt: it is neither
             # prefill time nor cells to lend)
             a.req.stats.prefill_s += t2 - t1
             if memory and not a.req.unfilled:
-                memory.remember(a.req.cache, _prompt(a.req), chunk, a.req.ready)
+                memory.remember(a.req.cache, a.req.prompt, a.req.chunk, a.req.ready)
         emitted[id(a)] = []
     settled = [(a, tree, next(results) if b is not None else None, share if d else 0.0, t2 - t1)
                for a, tree, b, d in zip(decoding, trees, own, drafted, strict=True)]
-    # a prompt whose last call scored its root: its first token in this step (no draft, no call: loop.settle)
+    # a prompt whose last call scored its root: its first token in this step (no draft, no call: steps.settle)
     settled += [(a, EMPTY, None, 0.0, 0.0) for a in filling if a.req.ready is not None]
     for a, tree, out, d_s, v_s in settled:
         t = time.perf_counter()
@@ -108,17 +87,12 @@ def step(target: Backend, batch: Sequence[Active], chunk: int = PREFILL_CHUNK) -
     return [emitted[id(a)] for a in batch]
 
 
-def _prompt(req: Request) -> list[int]:
-    """The prompt tokens a prefill puts in the cache (loop.py `start`; seq is the prompt while it fills)."""
-    return req.seq[:req.fill]
-
-
-def _chunk(req: Request, size: int, least: int = 1, n: int = 1) -> list[int]:
-    """The next prompt tokens to prefill: from the first one not in the cache to the n-th next multiple of `size`
-    (the chunks' grid, from position 0 whatever a prompt memory lent), or to the prompt's end when fewer than
-    `least` would be left after it (the backend's `min_chunk`)."""
+def _chunk(req: Request, least: int = 1, n: int = 1) -> list[int]:
+    """The next prompt tokens to prefill: from the first one not in the cache to the n-th next multiple of the
+    request's `chunk` (the chunks' grid, from position 0 whatever a prompt memory lent), or to the prompt's end when
+    fewer than `least` would be left after it (the backend's `min_chunk`)."""
     done, end = req.fill - req.unfilled, req.fill
-    grid = (done // size + n) * size
+    grid = (done // req.chunk + n) * req.chunk
     return req.seq[done:grid if end - grid >= least else end]
 
 

@@ -15,9 +15,10 @@ sampled request's q then follows from its own tokens alone, so its output follow
 any batch. A lone sampled request drafts the same way, so a seed gives the same text in `generate`, `bench` and
 `serve`. Greedy steps keep the faster per-call kernel: any q gives the target's own tokens at temperature 0.
 
-The batch-aware budget (docs/algorithms.md §11.1) reads a live `Seat` of the step's `Book`: the other requests'
-target rows and expected tokens as their trees stand now, and their rows in each round's draft forward. A request
-that names a seed gets no seat: it sizes its tree as if alone, so its seed gives the same sample in any batch (the
+The batch-aware budget (docs/algorithms.md §11.1) reads request i's live `PlanView` of the step's `BatchPlan`: the
+other requests' target rows and expected tokens as their trees stand now, and their rows in each round's draft
+forward. A request
+that names a seed gets no view: it sizes its tree as if alone, so its seed gives the same sample in any batch (the
 shapes of its trees, hence its random draws, cannot depend on its neighbours).
 """
 
@@ -31,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 from speculor.core import goodput
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.drafters.base import BatchAware, BatchLedger, Forward, Proposal
+from speculor.engine.request import Request
 
 if TYPE_CHECKING:
-    from speculor.engine.loop import Request
     from speculor.runtime.cost import CostModel
 
 
-class Book:
+class BatchPlan:
     """The batch of one step as its requests propose: per request, target rows and expected tokens so far (a root
     row and one token until it publishes), and its rows in each round's draft forward; `extra` target rows that are
     no request's tree (prompt chunks)."""
@@ -47,8 +48,8 @@ class Book:
         self.draft: list[list[int]] = []  # round -> rows of each request in that round's draft forward
         self.extra = extra
 
-    def seat(self, i: int) -> Seat:
-        return Seat(self, i)
+    def view(self, i: int) -> PlanView:
+        return PlanView(self, i)
 
     def drafted(self, rnd: int, i: int, rows: int) -> None:
         while len(self.draft) <= rnd:
@@ -56,44 +57,44 @@ class Book:
         self.draft[rnd][i] += rows
 
 
-class Seat(BatchLedger):
-    """Request i's live view of its step's `Book`: the others' rows, tokens and draft rows as they stand now."""
+class PlanView(BatchLedger):
+    """Request i's live view of its step's `BatchPlan`: the others' rows, tokens and draft rows as they stand now."""
 
-    def __init__(self, book: Book, i: int) -> None:  # no fields of its own: they are read from the book
-        self.book, self.i = book, i
+    def __init__(self, plan: BatchPlan, i: int) -> None:  # no fields of its own: they are read from the plan
+        self.plan, self.i = plan, i
 
     @property
     def rows(self) -> int:
-        return self.book.extra + sum(self.book.rows) - self.book.rows[self.i]
+        return self.plan.extra + sum(self.plan.rows) - self.plan.rows[self.i]
 
     @property
     def tokens(self) -> float:
-        return sum(self.book.tokens) - self.book.tokens[self.i]
+        return sum(self.plan.tokens) - self.plan.tokens[self.i]
 
     @property
     def filling(self) -> bool:
-        return self.book.extra > 0
+        return self.plan.extra > 0
 
     @property
     def draft_rows(self) -> list[int]:
-        return [sum(r) - r[self.i] for r in self.book.draft]
+        return [sum(r) - r[self.i] for r in self.plan.draft]
 
     def publish(self, rows: int, tokens: float) -> None:
-        self.book.rows[self.i], self.book.tokens[self.i] = rows, tokens
+        self.plan.rows[self.i], self.plan.tokens[self.i] = rows, tokens
 
     def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int,
-              once: float = 0.0) -> Generator[Bid, bool | None, bool | None]:
+              once: float = 0.0) -> Generator[RoundBid, bool | None, bool | None]:
         """A bid, answered once every request of the step has yielded (a bid, a forward, or its end): the joint
         answer (`settle`), or None for a request drafting alone (its own rate decides)."""
-        return (yield Bid(self.book, cost, gain, nodes, draft_rows, once))
+        return (yield RoundBid(self.plan, cost, gain, nodes, draft_rows, once))
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: two requests may bid alike
-class Bid:
-    """A request of `book`'s step asks for a draft forward of `draft_rows` rows that adds `nodes` target rows worth
+class RoundBid:
+    """A request of `plan`'s step asks for a draft forward of `draft_rows` rows that adds `nodes` target rows worth
     `gain` expected tokens, and charges `once` seconds more to the step (a catch-up's share)."""
 
-    book: Book
+    plan: BatchPlan
     cost: CostModel
     gain: float
     nodes: int
@@ -101,7 +102,7 @@ class Bid:
     once: float = 0.0
 
 
-def settle(bids: Sequence[Bid]) -> list[bool]:
+def settle(bids: Sequence[RoundBid]) -> list[bool]:
     """Which bids of one draft round go ahead: the subset S that maximises the step's tokens per second
     (core/goodput.py), the round's forward priced once for all its rows. With T, R the batch's expected tokens and
     target rows as the trees stand and D the step's draft forwards so far,
@@ -111,11 +112,11 @@ def settle(bids: Sequence[Bid]) -> list[bool]:
     S grows greedily (the bid that gives the best rate next, even when the rate falls: the round's cost is paid by
     the first and shared by the rest) and the best prefix wins, the empty one on a tie. Priced request by request,
     each round looked as dear as a lone request's, and a batch of 4 drafted less than it should (§11.1)."""
-    book, cost = bids[0].book, bids[0].cost
-    tokens, rows = sum(book.tokens), book.extra + sum(book.rows)
-    spent = sum(cost.t_draft(sum(r)) for r in book.draft if sum(r) > 0)
+    plan, cost = bids[0].plan, bids[0].cost
+    tokens, rows = sum(plan.tokens), plan.extra + sum(plan.rows)
+    spent = sum(cost.t_draft(sum(r)) for r in plan.draft if sum(r) > 0)
 
-    def rate(chosen: list[Bid]) -> float:
+    def rate(chosen: list[RoundBid]) -> float:
         if not chosen:
             return goodput.rate(cost, tokens, rows, spent)
         return goodput.rate(cost, tokens + sum(b.gain for b in chosen), rows + sum(b.nodes for b in chosen),
@@ -130,31 +131,31 @@ def settle(bids: Sequence[Bid]) -> list[bool]:
     return [b in order[:k] for b in bids]
 
 
-def propose_all(reqs: Sequence[Request], book: Book | None = None) -> tuple[list[DraftTree], float]:
+def propose_all(reqs: Sequence[Request], plan: BatchPlan | None = None) -> tuple[list[DraftTree], float]:
     """Each request's draft tree (EMPTY without a drafter), and the seconds the step's drafting took. A batch-aware
-    drafter is given its seat of `book` (if given) as its `ledger`."""
+    drafter is given its view of `plan` (if given) as its `ledger`."""
     t0 = time.perf_counter()
     apart = any(r.drafter is not None and not r.cfg.greedy for r in reqs)
     trees = [EMPTY] * len(reqs)
     forwarded = {i: _fast_forward(r) for i, r in enumerate(reqs) if r.drafter is not None and r.ready is None}
     for i, tree in forwarded.items():  # the grammar drafts where it knows the next bytes: the drafter rests
         trees[i] = tree
-        if book is not None and tree is not EMPTY:
-            book.rows[i], book.tokens[i] = 1 + len(tree), 1.0 + len(tree)
+        if plan is not None and tree is not EMPTY:
+            plan.rows[i], plan.tokens[i] = 1 + len(tree), 1.0 + len(tree)
     drafting = [i for i in forwarded if trees[i] is EMPTY]  # ready: no draft
-    if book is not None:
+    if plan is not None:
         for i in (i for i, r in enumerate(reqs) if r.ready is not None):
-            book.rows[i] = 0  # its token from the prompt's call, no row
+            plan.rows[i] = 0  # its token from the prompt's call, no row
     for i in drafting:
         d = reqs[i].drafter
-        if book is not None and isinstance(d, BatchAware) and d.batch_aware:
+        if plan is not None and isinstance(d, BatchAware) and d.batch_aware:
             # a seeded request sizes its tree as if alone, so its seed gives the same sample in any batch
-            d.ledger = None if reqs[i].cfg.seed is not None else book.seat(i)
-            book.rows[i], book.tokens[i] = d.estimate  # its last tree, until it decides (so the requests before
+            d.ledger = None if reqs[i].cfg.seed is not None else plan.view(i)
+            plan.rows[i], plan.tokens[i] = d.estimate  # its last tree, until it decides (so the requests before
             # it in turn count it too)
-    joint = len(drafting) > 1 and book is not None  # alone: no other rows to wait for, bids decided alone
-    on_round = (lambda rnd, j, rows: book.drafted(rnd, drafting[j], rows)) if joint else None
-    proposals = [_proposal(reqs[i], book, i) for i in drafting]
+    joint = len(drafting) > 1 and plan is not None  # alone: no other rows to wait for, bids decided alone
+    on_round = (lambda rnd, j, rows: plan.drafted(rnd, drafting[j], rows)) if joint else None
+    proposals = [_proposal(reqs[i], plan, i) for i in drafting]
     for i, tree in zip(drafting, rounds(proposals, apart, joint, on_round), strict=True):
         trees[i] = tree
     for i, r in enumerate(reqs):  # under a grammar: each row's mask; at T = 0 the nodes it rules out cut
@@ -174,21 +175,21 @@ def _fast_forward(req: Request) -> DraftTree:
     return DraftTree.chain(run, draw="point") if run else EMPTY
 
 
-def _proposal(req: Request, book: Book | None, i: int) -> Proposal:
-    """Request i's tree; a drafter that does not publish as it grows is entered in the book once it is done."""
+def _proposal(req: Request, plan: BatchPlan | None, i: int) -> Proposal:
+    """Request i's tree; a drafter that does not publish as it grows is entered in the plan once it is done."""
     tree = yield from req.drafter.propose(req.seq, req.cfg, req.generator)
-    if book is not None and getattr(req.drafter, "ledger", None) is None:  # it did not publish as it grew
-        book.rows[i], book.tokens[i] = 1 + len(tree), float(req.drafter.expected_tokens)
+    if plan is not None and getattr(req.drafter, "ledger", None) is None:  # it did not publish as it grew
+        plan.rows[i], plan.tokens[i] = 1 + len(tree), float(req.drafter.expected_tokens)
     return tree
 
 
-class _Turn:
+class _Driven:
     """Proposal i as the rounds drive it: what it asks for next (`ask`), or its tree once `done`."""
 
     def __init__(self, i: int, proposal: Proposal) -> None:
         self.i, self.proposal = i, proposal
         self.answer: Any = None
-        self.ask: Forward | Bid | None = None
+        self.ask: Forward | RoundBid | None = None
         self.tree: DraftTree | None = None
         self.done = False
 
@@ -206,20 +207,20 @@ def rounds(proposals: Sequence[Proposal], apart: bool, joint: bool = True,
     """Drive the proposals round by round (module docstring), their forwards of each round batched per model; their
     trees. joint: bids are settled together (else answered None: each decides alone). on_round(round, proposal,
     rows) is told each proposal's rows in each round's forward."""
-    turns = [_Turn(i, p) for i, p in enumerate(proposals)]
+    turns = [_Driven(i, p) for i, p in enumerate(proposals)]
     live, rnd = list(turns), 0
     try:
         while live:
             for t in live:  # each to its next ask or its end, in request order
                 t.advance()
             live = [t for t in live if not t.done]
-            while bidding := [t for t in live if isinstance(t.ask, Bid)]:  # a round's bids, settled together
+            while bidding := [t for t in live if isinstance(t.ask, RoundBid)]:  # a round's bids, settled together
                 answers = settle([t.ask for t in bidding]) if joint else [None] * len(bidding)
                 for t, yes in zip(bidding, answers, strict=True):
                     t.answer = yes
                     t.advance()
                 live = [t for t in live if not t.done]
-            by_model: dict[int, list[_Turn]] = {}
+            by_model: dict[int, list[_Driven]] = {}
             for t in live:  # requests' views of one model (a head's, drafters/eagle.py) batch as that model
                 by_model.setdefault(id(t.ask.model.shared), []).append(t)
             for group in by_model.values():

@@ -7,5 +7,5 @@
 
 A constraint changes the target: at every position p is restricted to the tokens the grammar allows and
 renormalized (greedy: the argmax over them). Speculation is exact under it because verification reads the masked p at
-every row (engine/loop.py `settle`).
+every row (engine/steps.py `settle`).
 """

@@ -4,7 +4,7 @@ Glossary:
     allowed   the tokens the grammar admits next: a bool mask [V] (llguidance's bitmask, unpacked)
     forced    a state that admits exactly one token: that token has probability 1 under the masked target, so it
               is emitted without a decision (`forced_run`); its row is still computed, by the engine's fill calls,
-              the same way in plain and speculative decoding (engine/loop.py `emit`)
+              the same way in plain and speculative decoding (engine/steps.py `emit`)
     fast-forward  the bytes every continuation starts with, as the tokenizer writes them (llguidance's ff tokens):
               a point-mass draft the target verifies (the grammar as a drafter); the model may write those bytes
               with other tokens, so they are drafted, never forced

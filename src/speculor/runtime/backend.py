@@ -112,7 +112,7 @@ class Backend(Protocol):
     # chunks (engine/batch.py `step`): llama.cpp's N_BATCH, whose prompt rows keep their bits in any calls on the
     # chunks' grid (docs/algorithms.md §10.5.2); 0 (one chunk a step) where that was not measured (torch)
     root_in_prompt: bool  # whether the prompt's last call also gives its last token's logits, the first step's root
-    # (engine/loop.py `start`): llama.cpp, where that row has the same bits however the prompt was cut into calls on
+    # (engine/steps.py `start`): llama.cpp, where that row has the same bits however the prompt was cut into calls on
     # the grid (§10.5.2), as llama.cpp itself does, saving a call a request; False: the first step scores the root
     # (torch: the fp32 greedy records are kept bit for bit, and a torch row's bits depend on its call's size)
 

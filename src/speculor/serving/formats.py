@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from speculor.engine.loop import Token
+from speculor.engine.request import Token
 from speculor.grammar import tools as tool_calls
 from speculor.grammar.tools import Call, CallStream, Tool
 from speculor.serving.errors import APIError

@@ -5,7 +5,7 @@ Contract: `Scheduler.submit` queues a job or raises APIError 429 when `queue_siz
 (started by the first submit, ended by `stop`) loops: admit the waiting jobs, oldest first, while fewer than
 `max_batch` run and, on a backend whose requests share one memory (llama.cpp's), the next one's prompt and longest
 answer fit there beside the running jobs' (their prompts are then prefilled inside the batched steps, a chunk of
-engine/batch.py's PREFILL_CHUNK tokens a step each, so joining requests slow the running ones by their chunks' rows
+engine/request.py's PREFILL_CHUNK tokens a step each, so joining requests slow the running ones by their chunks' rows
 instead of stopping them),
 run one batched step over the running jobs, hand each job its new text (`Delta`), and end the jobs that are done
 (EOS, length, a stop string: `Done`) or whose client left (`cancel`, checked before admission and after every
