@@ -110,12 +110,14 @@ def test_an_option_the_strategy_does_not_take_is_refused(command, argv, message,
 
 
 @pytest.mark.parametrize("command, argv, message", [
-    (["generate", "--prompt", "hi"], ["--depth", "3"], "strategy 'chain' takes no option 'depth' (its options: k)"),
-    (["serve"], ["--k", "3"], "strategy 'suffix' takes no option 'k' (its options: budget, max_depth, min_prob, "
+    (["generate", "--prompt", "hi"], ["--depth", "3"], "strategy 'default' takes no option 'depth' (its options: "
+                                                       "budget, max_depth, min_prob, shared, max_tokens, fallback, "
+                                                       "max_spec_factor)"),
+    (["serve"], ["--k", "3"], "strategy 'default' takes no option 'k' (its options: budget, max_depth, min_prob, "
                               "shared, max_tokens, fallback, max_spec_factor)"),
 ])
 def test_the_default_strategy_refuses_what_it_does_not_take(command, argv, message, no_pair, capsys) -> None:
-    """generate's default strategy is chain; serve's is suffix with dyspec's fallback, both batch-aware."""
+    """generate and serve share one default strategy, suffix's options (with dyspec's fallback beside a draft)."""
     assert cli.main(command + argv) == 2
     assert message in capsys.readouterr().err
 
@@ -138,21 +140,19 @@ def test_only_given_options_reach_the_strategy(monkeypatch) -> None:
                      "--threshold", "0.5"]) == 2
     assert cli.main(["generate", "--prompt", "hi"]) == 2
     assert seen == [(pair, "sequoia", {"budget": "auto", "depth": 5}),
-                    (pair, "specdecpp", {"threshold": 0.5, "k_min": 3}), (pair, "chain", {})]
+                    (pair, "specdecpp", {"threshold": 0.5, "k_min": 3}), (pair, "default", {})]
 
     served = []
     fake = types.ModuleType("speculor.serving.app")
     fake.serve = lambda pair, **kw: served.append((pair, kw))
-    fake.DEFAULT_STRATEGY = ("suffix", {"budget": "auto", "fallback": "dyspec"})
-    fake.default_options = lambda p: dict(fake.DEFAULT_STRATEGY[1])
     monkeypatch.setitem(sys.modules, "speculor.serving.app", fake)
     assert cli.main(["serve", "--strategy", "topk-tree", "--k", "3", "--budget", "12", "--port", "1"]) == 0
     assert cli.main(["serve", "--budget", "4", "--max-batch", "16"]) == 0  # the default: suffix, dyspec's fallback
     assert cli.main(["serve", "--depth", "4"]) == 2  # not an option of the default strategy
     assert served == [(pair, {"host": "127.0.0.1", "port": 1, "strategy": "topk-tree", "queue_size": 64,
                                 "max_batch": 16, "k": 3, "budget": 12}),
-                      (pair, {"host": "127.0.0.1", "port": 8000, "strategy": "suffix", "queue_size": 64,
-                                "max_batch": 16, "budget": 4, "fallback": "dyspec"})]
+                      (pair, {"host": "127.0.0.1", "port": 8000, "strategy": "default", "queue_size": 64,
+                                "max_batch": 16, "budget": 4})]
 
 
 @pytest.mark.parametrize("strategies, message", [
@@ -182,8 +182,8 @@ def test_options_of_matches_each_builders_keyword_parameters() -> None:
     from speculor.drafters.registry import BUILDERS, make_strategy, options_of
     from speculor.runtime.backend import Pair
 
-    for name, builder in BUILDERS.items():
-        params = list(inspect.signature(builder).parameters.values())
+    for name, builder in BUILDERS.items():  # the default strategy takes suffix's options
+        params = list(inspect.signature(BUILDERS["suffix"] if name == "default" else builder).parameters.values())
         assert params[0].name == "pair", name
         assert options_of(name) == [p.name for p in params[1:]], name
         assert all(p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
@@ -324,13 +324,25 @@ def test_generate_takes_the_servers_sampling_fields(monkeypatch, capsys) -> None
     assert "--logit-bias takes ID=BIAS" in capsys.readouterr().err
 
 
-def test_the_server_default_has_no_fallback_without_a_draft() -> None:
-    """suffix's fallback is a draft model's tree: a pair without a draft model serves suffix alone."""
-    from speculor.serving.app import DEFAULT_STRATEGY, default_options
+def test_the_default_strategy_is_suffix_with_dyspec_s_fallback_only_beside_a_draft(monkeypatch) -> None:
+    """One default everywhere (library, generate, serve, bench): suffix with budget auto and DySpec's fallback where
+    a draft model is loaded (suffix alone without one); chain through text for a draft with another tokenizer;
+    the options given are suffix's."""
+    from speculor.api import Speculor
+    from speculor.drafters import registry
 
-    assert DEFAULT_STRATEGY[0] == "suffix" and default_options(types.SimpleNamespace(draft=object())) == {
-        "budget": "auto", "fallback": "dyspec"}
-    assert default_options(types.SimpleNamespace(draft=None)) == {"budget": "auto"}
+    built = []
+    monkeypatch.setattr(registry, "make_suffix", lambda pair, budget, *rest: built.append((budget, rest[-2])))
+    monkeypatch.setitem(registry.BUILDERS, "dyspec", lambda pair, budget=None: ("dyspec", {"budget": budget}))
+    monkeypatch.setattr(registry, "_chain", lambda pair: built.append("chain"))
+    registry.make_strategy("default", types.SimpleNamespace(draft=object(), draft_tokenizer=None))
+    registry.make_strategy("default", types.SimpleNamespace(draft=None, draft_tokenizer=None), budget=8)
+    registry.make_strategy("default", types.SimpleNamespace(draft=object(), draft_tokenizer=object()))
+    assert built == [("auto", ("dyspec", {"budget": "auto"})), (8, None), "chain"]
+    assert registry.options_of("default") == registry.options_of("suffix")
+    with pytest.raises(SpeculorError, match="takes no option 'k'"):
+        registry.check_options("default", {"k": 3})
+    assert inspect.signature(Speculor.__init__).parameters["strategy"].default == "default"
 
 
 def test_generate_takes_a_json_schema_or_a_grammar_file(monkeypatch, capsys, tmp_path) -> None:

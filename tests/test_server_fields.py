@@ -12,7 +12,7 @@ import torch
 from support.server import live_server, tiny_pair
 
 from speculor import Pair, SamplingConfig, Speculor
-from speculor.serving.app import DEFAULT_STRATEGY, create_app
+from speculor.serving.app import create_app
 
 PROMPT = "The quick brown fox"
 
@@ -77,7 +77,7 @@ def test_n_choices_are_independent_seeded_samples(pair: Pair, client: openai.Ope
     tree as if alone under the batch-aware default)."""
     out = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=11, n=3)
     assert [c.index for c in out.choices] == [0, 1, 2]
-    sp = Speculor(pair, DEFAULT_STRATEGY[0], **DEFAULT_STRATEGY[1])  # the server's default, batch-aware
+    sp = Speculor(pair)  # the server's default, batch-aware
     for i, choice in enumerate(out.choices):
         alone = sp.generate(sp.encode(PROMPT), SamplingConfig(temperature=1.0, seed=11 + i, max_new_tokens=16))
         assert choice.text == alone.text

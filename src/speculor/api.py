@@ -1,7 +1,7 @@
 """The user-facing API: `Speculor(pair).generate(prompt, ...)` and `.stream_text(...)`.
 
     from speculor import Speculor, SamplingConfig, load_pair
-    sp = Speculor(load_pair(), strategy="chain", k=4)
+    sp = Speculor(load_pair())                      # the default strategy; or e.g. strategy="chain", k=4
     out = sp.generate("Write a haiku about trees.", SamplingConfig(max_new_tokens=64), chat=True)
     print(out.text, out.tau, out.tokens_per_s)
 """
@@ -56,7 +56,7 @@ class Speculor:
     generation gets a fresh drafter from it, with its own caches: generations never share request state.
     """
 
-    def __init__(self, pair: Pair, strategy: str = "chain", **options: Any) -> None:
+    def __init__(self, pair: Pair, strategy: str = "default", **options: Any) -> None:
         self.pair, self.strategy, self.options = pair, strategy, options
         self._strategies: dict[tuple[str, str], Strategy | None] = {}
         self.strategy_for(strategy, **options)  # validate now

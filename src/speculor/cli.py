@@ -78,14 +78,15 @@ def _budget(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def _add_strategy_args(p: argparse.ArgumentParser, default: str | None = "chain") -> None:
+def _add_strategy_args(p: argparse.ArgumentParser) -> None:
     """--strategy and the strategy options; an option is passed on only when given, and only a strategy that
     takes it accepts it (`_strategy_options`)."""
     g = p.add_argument_group("strategy options", "Each option is taken only by the strategies named in its help; "
                              "giving one that the chosen strategy does not take is an error. Not given: the "
                              "strategy's own default.")
-    g.add_argument("--strategy", default=default, help=f"one of {', '.join(STRATEGIES)} (default: "
-                   f"{default or 'suffix with --budget auto and dyspec as its fallback, sized for the running batch'})")
+    g.add_argument("--strategy", default="default", help=f"one of {', '.join(STRATEGIES)} (default: default, "
+                   "suffix drafts with --budget auto and dyspec's as their fallback where a draft model is loaded, "
+                   "sized for the running batch; its options are suffix's)")
 
     def opt(flag: str, what: str, **kw) -> None:
         taken = ", ".join(TAKEN_BY[flag.lstrip("-").replace("-", "_")])
@@ -110,7 +111,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `speculor bench` (`speculor.bench.run.run` reads them). The defaults shown are those of
     bench/config.py's DEFAULTS and QUICK tables (options left None here take them in `BenchConfig.from_args`)."""
     p.add_argument("--strategies", default=None, help="comma-separated; options after colons, e.g. "
-                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,chain:k=4,dyspec:budget=auto)")
+                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,default,chain:k=4,dyspec:budget=auto)")
     p.add_argument("--sets", default="mtbench,humaneval", help=SETS_HELP)
     p.add_argument("--limit", type=int, default=None, help="number of prompts, spread over sets and categories "
                    "(default 8)")
@@ -192,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--queue-size", type=int, default=64)
     s.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (continuous batching)")
-    _add_strategy_args(s, default=None)
+    _add_strategy_args(s)
     _add_model_args(s)
     _add_ray_args(s)
 

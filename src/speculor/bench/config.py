@@ -9,10 +9,10 @@ from speculor.bench.specs import Spec, parse_strategies
 from speculor.errors import SpeculorError
 
 # every strategy; Sequoia and DySpec size their trees from this machine's cost profile (their hardware-aware mode)
-ALL = ("plain,chain:k=4,specinfer,sequoia:budget=auto,ngram,suffix,dyspec:budget=auto,topk-tree,gsd,specdecpp,eagle,"
-       "specinfer:drafters=boosted")
+ALL = ("plain,default,chain:k=4,specinfer,sequoia:budget=auto,ngram,suffix,dyspec:budget=auto,topk-tree,gsd,"
+       "specdecpp,eagle,specinfer:drafters=boosted")
 # the realistic default: >= 8 prompts of the sets' categories, 128 new tokens, 3 rounds
-DEFAULTS = {"strategies": "plain,chain:k=4,dyspec:budget=auto", "limit": 8, "max_new_tokens": 128,
+DEFAULTS = {"strategies": "plain,default,chain:k=4,dyspec:budget=auto", "limit": 8, "max_new_tokens": 128,
             "temperatures": "0", "rounds": 3}
 # --quick: one MT-Bench and one HumanEval prompt, one round, so that every strategy and the peers fit in ~10 minutes;
 # of the peers only those that run beside the loaded pair are kept (`BenchConfig.fit_peers`, bench/peers.py `unfit`)

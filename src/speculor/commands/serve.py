@@ -11,22 +11,15 @@ from speculor.errors import SpeculorError
 
 
 def run(args: Args) -> None:
-    from speculor.serving.app import DEFAULT_STRATEGY, default_options, serve
+    from speculor.serving.app import serve
 
     given = [name for name in RAY_ARGS if getattr(args, name, None) is not None]
     if given and not (args.ray or args.ray_address):
         raise SpeculorError(f"--{given[0].replace('_', '-')} is a Ray Serve option: add --ray")
-    default = args.strategy is None
-    if default:  # the batch-aware strategy
-        args.strategy = DEFAULT_STRATEGY[0]
     options = commands.strategy_options(args)  # refused before the pair is loaded (or Ray started)
     if args.ray or args.ray_address:  # the same app on Ray Serve, replicas loading the pair
-        return on_ray(args, None if default else args.strategy, options, given)
+        return on_ray(args, args.strategy, options, given)
     pair = commands.load(args)
-    if default and pair.draft_tokenizer is None:
-        options = {**default_options(pair), **options}
-    elif default:  # a draft with another tokenizer: create_app's own default (chain through text)
-        args.strategy = None
     serve(pair, host=args.host, port=args.port, strategy=args.strategy, queue_size=args.queue_size,
           max_batch=args.max_batch, **options)
 

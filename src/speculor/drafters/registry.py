@@ -38,7 +38,7 @@ def _chain(pair: Pair, k: int = 4) -> Shared:
     return Shared(partial(ChainDrafter, pair.draft, k))
 
 
-TEXT_LEVEL = ("plain", "chain", "ngram", "suffix")  # the strategies a draft with another tokenizer can serve
+TEXT_LEVEL = ("default", "plain", "chain", "ngram", "suffix")  # what a draft with another tokenizer can serve
 FALLBACKS = ("dyspec", "eagle")  # suffix's fallbacks: trees sized by the cost curve, that decline where they do not pay
 
 
@@ -53,7 +53,21 @@ def _suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24, mi
     return make_suffix(pair, budget, max_depth, min_prob, shared, max_tokens, other, max_spec_factor)
 
 
+def _default(pair: Pair, **options: Any) -> Strategy:
+    """The default strategy everywhere (library, `generate`, `serve`, the bench's `default` row), the one that is never
+    slower than plain decoding (docs/bench/INDEX.md): suffix drafts with budget "auto" and, where a draft model is
+    loaded, DySpec's trees as their fallback, all sized by the cost curve for the running batch; `options` are
+    suffix's. A draft with another tokenizer drafts chains through text (chain's defaults)."""
+    if pair.draft_tokenizer is not None:
+        if options:
+            raise SpeculorError(f"the default strategy for a draft with another tokenizer is chain, which takes no "
+                                f"option {', '.join(map(repr, sorted(options)))}: name a strategy")
+        return _chain(pair)
+    return _suffix(pair, **{"budget": "auto", "fallback": "dyspec" if pair.draft is not None else "none", **options})
+
+
 BUILDERS: dict[str, Callable[..., Strategy | None]] = {
+    "default": _default,  # suffix's options (`_default`)
     "plain": lambda pair: None,
     "chain": _chain,  # options: k
     "sequoia": make_sequoia,  # options: budget (int or "auto"), depth, width, acc (see sequoia.SequoiaOptions)
@@ -76,7 +90,8 @@ def _check_name(name: str) -> None:
 def options_of(name: str) -> list[str]:
     """The options strategy `name` takes (the keyword parameters of its builder)."""
     _check_name(name)
-    return [p for p in inspect.signature(BUILDERS[name]).parameters if p != "pair"]
+    builder = BUILDERS["suffix" if name == "default" else name]
+    return [p for p in inspect.signature(builder).parameters if p != "pair"]
 
 
 def check_options(name: str, options: dict[str, Any]) -> None:

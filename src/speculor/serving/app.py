@@ -316,25 +316,12 @@ def _finite(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-DEFAULT_STRATEGY = ("suffix", {"budget": "auto", "fallback": "dyspec"})  # free drafts where the request or earlier
-# answers hold the continuation, else DySpec's where it pays; both sized for the running batch's step
-
-
-def default_options(pair: Pair) -> dict[str, Any]:
-    """DEFAULT_STRATEGY's options for `pair`: without a draft model, no fallback (suffix alone)."""
-    return {k: v for k, v in DEFAULT_STRATEGY[1].items() if pair.draft is not None or k != "fallback"}
-
-
 def make_server(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = MAX_BATCH,
                 metrics: Metrics | None = None, **options: Any) -> _Server:
     """The engine side of a server: `pair` with a default `strategy` and its `options` (e.g. k=4), its scheduler
-    and metrics; no strategy: suffix drafts with DySpec's as their fallback, both batch-aware (DEFAULT_STRATEGY), or
-    chain for a draft with another tokenizer. Raises SpeculorError for a bad strategy, queue size or batch size."""
-    if strategy is None and pair.draft_tokenizer is not None:  # a draft with another tokenizer drafts chains
-        strategy = "chain"
-    if strategy is None:
-        strategy, options = DEFAULT_STRATEGY[0], {**default_options(pair), **options}
-    sp = Speculor(pair, strategy=strategy, **options)
+    and metrics; no strategy: the default one (drafters/registry.py `_default`). Raises SpeculorError for a bad
+    strategy, queue size or batch size."""
+    sp = Speculor(pair, strategy=strategy or "default", **options)
     metrics = metrics or Metrics(pair.target.device)
     return _Server(sp, Scheduler(sp, queue_size, metrics, max_batch), metrics, pair.target_name or "speculor")
 
@@ -393,5 +380,5 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str |
     app = create_app(pair, strategy=strategy, queue_size=queue_size, max_batch=max_batch, **options)
     warm_up(pair)
     logger.info("serving %s with strategy %r (batches of up to %d) on http://%s:%d/v1", pair.target_name or
-                "speculor", strategy or DEFAULT_STRATEGY, max_batch, host, port)
+                "speculor", strategy or "default", max_batch, host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")

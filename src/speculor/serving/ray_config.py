@@ -32,7 +32,7 @@ class RaySettings(BaseModel):
     draft_vocab: int | None = None
     offload: bool = False
     # the engine
-    strategy: str | None = None  # None: the server's default (app.DEFAULT_STRATEGY)
+    strategy: str | None = None  # None: the default strategy (drafters/registry.py `_default`)
     options: dict[str, Any] = {}
     queue_size: int = Field(64, ge=1)
     max_batch: int = Field(16, ge=1, le=256)
@@ -121,9 +121,8 @@ def pair_memory_gib(s: RaySettings) -> float | None:
 def check_strategy(s: RaySettings) -> None:
     """The registry's check of the strategy and its options (imports torch), before anything is deployed."""
     from speculor.drafters.registry import check_options
-    from speculor.serving.app import DEFAULT_STRATEGY
 
-    check_options(s.strategy or DEFAULT_STRATEGY[0], s.options)
+    check_options(s.strategy or "default", s.options)
 
 
 def check_fits(s: RaySettings) -> None:
