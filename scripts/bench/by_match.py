@@ -3,6 +3,7 @@
 
     python by_match.py records.jsonl [strategy ...]
 """
+
 import collections
 import json
 import sys
@@ -14,7 +15,7 @@ for strategy in sys.argv[2:] or ["suffix", "ngram"]:
         if r["strategy"] != strategy:
             continue
         matches = r.get("match") or [None] * len(r["drafted"])
-        for d, a, m in zip(r["drafted"], r["accepted"], matches):
+        for d, a, m in zip(r["drafted"], r["accepted"], matches, strict=False):
             if d:
                 by_size[(r["set"], d)][0] += 1
                 by_size[(r["set"], d)][1] += a

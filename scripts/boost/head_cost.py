@@ -2,7 +2,7 @@
 median seconds of one head forward over w rows of one depth (their parents' features known, as a tree grows) and of
 one target forward of n rows after a 200-token prefix, 15 repeats each, interleaved.
 
-    .venv/bin/python docs/bench/cpu-boost/head_cost.py
+    .venv/bin/python scripts/boost/head_cost.py
 """
 
 import statistics
@@ -40,4 +40,7 @@ for _ in range(15):
 t1 = statistics.median(times["target, 1 rows"])
 for k, v in times.items():
     m = statistics.median(v)
-    print(f"{k:16s} {m * 1e3:7.2f} ms  ({m / t1:.3f} of a 1-row target step; min {min(v) * 1e3:.2f}, max {max(v) * 1e3:.2f})")
+    print(
+        f"{k:16s} {m * 1e3:7.2f} ms  ({m / t1:.3f} of a 1-row target step; "
+        f"min {min(v) * 1e3:.2f}, max {max(v) * 1e3:.2f})"
+    )

@@ -24,8 +24,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "factor"))
-from replay import COST, AutoTokenizer, CostModel, Path, plain_runs  # noqa: E402
+from replay import COST, AutoTokenizer, CostModel, Path, plain_runs  # scripts/drafts/replay.py
 
 MAX_COPY = int(os.environ.get("MAX_COPY", "12"))  # longer: a suffix draft under a larger max_spec_factor
 
@@ -72,8 +71,10 @@ def main() -> None:
         s = share.setdefault(r["set"], [0.0, 0.0])
         s[0] += r["prefill_s"]
         s[1] += r["wall_s"]
-    print(f"t(n)/t(1), n = 1..9: {[round(t(n) / t(1), 2) for n in range(1, 10)]}; best n / t(n): "
-          f"{max(n * t(1) / t(n) for n in range(1, 64)):.3f}")
+    print(
+        f"t(n)/t(1), n = 1..9: {[round(t(n) / t(1), 2) for n in range(1, 10)]}; best n / t(n): "
+        f"{max(n * t(1) / t(n) for n in range(1, 64)):.3f}"
+    )
     per: dict[str, list[float]] = {}
     for run in plain_runs(tok, sys.argv[2], [sys.argv[3]]):
         before: list[list[int]] = []

@@ -34,8 +34,9 @@ from speculor.drafters import lookup, suffix
 from speculor.drafters.base import Shared
 from speculor.runtime.cost import CallTimes, CostModel, Measured
 
-COST = os.environ.get("COST") or next((Path.home() / ".cache/speculor/sequoia").glob(
-    "cost--qwen2.5-coder-1.5b-instruct--*b9efb519b46c.json"))  # the embedded pair's exact llama.cpp curve
+COST = os.environ.get("COST") or next(
+    (Path.home() / ".cache/speculor/sequoia").glob("cost--qwen2.5-coder-1.5b-instruct--*b9efb519b46c.json")
+)  # the embedded pair's exact llama.cpp curve
 
 
 def prompt_ids(tok, p) -> list[int]:
@@ -50,9 +51,14 @@ def plain_runs(tok, questions: str, files: list[str], temperature: float = 0.0) 
     answer's token ids); prompts from the embedded sets and from the `questions` file."""
     known = {p.id: p for name in ("mtbench", "humaneval", "summarize", "code-edit") for p in sets.load([name])}
     known |= {p.id: p for p in sets.file_set(Path(questions))}
-    return [[(r["prompt_id"], prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"]) for r in map(json.loads, open(f))
-             if r["strategy"] == "plain" and r.get("round", 0) == 0 and r["temperature"] == temperature]
-            for f in files]
+    return [
+        [
+            (r["prompt_id"], prompt_ids(tok, known[r["prompt_id"]]), r["token_ids"])
+            for r in map(json.loads, open(f))
+            if r["strategy"] == "plain" and r.get("round", 0) == 0 and r["temperature"] == temperature
+        ]
+        for f in files
+    ]
 
 
 def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | None = None, on_step=None) -> float:
@@ -84,7 +90,7 @@ def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | 
                 calls.add(k, cost.t_target(k))
         drafter.observe(len(seq), Verdict(path, out[j] if j < len(out) else 0))
         n = min(len(path) + 1, len(out) - i)
-        seq += out[i:i + n]
+        seq += out[i : i + n]
         i += n
     return t
 
@@ -95,8 +101,12 @@ def main() -> None:
     profile = CostModel.load(Path(os.environ.get("PRICE") or COST))  # what the drafters decide by
     timed = bool(os.environ.get("TIMED"))
     runs = plain_runs(tok, sys.argv[2], sys.argv[3:])
-    variants = {f"suffix max_spec_factor={f}": (lambda price, f=f: suffix.SuffixStrategy(
-        suffix.SuffixOptions(budget="auto", max_spec_factor=f), price)) for f in (1024, 2, 1, 0.5)}
+    variants = {
+        f"suffix max_spec_factor={f}": (
+            lambda price, f=f: suffix.SuffixStrategy(suffix.SuffixOptions(budget="auto", max_spec_factor=f), price)
+        )
+        for f in (1024, 2, 1, 0.5)
+    }
     variants["ngram (k=8, n=3, auto)"] = lambda price: Shared(partial(lookup.NgramDrafter, cost=price))
     print(f"t(n)/t(1), n = 1..8: {[round(cost.t_target(n) / cost.t_target(1), 2) for n in range(1, 9)]}")
     for name, make in variants.items():
@@ -111,6 +121,7 @@ def main() -> None:
                 per[s][0] += replay(drafter, prompt, out, cost, calls)
                 per[s][1] += len(out) * cost.t_target(1)
         print(f"{name}: " + ", ".join(f"{s} {b / a:.3f}x" for s, (a, b) in per.items()), flush=True)
+
 
 if __name__ == "__main__":
     main()

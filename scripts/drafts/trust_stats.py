@@ -1,8 +1,12 @@
 """Acceptance over Σ P per match bucket for suffix drafts of at most K nodes, drafting at every match (no cost
 model: no selection by trust), replayed on plain greedy outputs. Usage: trust_stats.py TOK QUESTIONS records..."""
-import collections, os, sys
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../factor"))
+
+import collections
+import os
+import sys
+
 from replay import COST, AutoTokenizer, CostModel, Path, plain_runs, replay
+
 from speculor.drafters import suffix
 
 K = int(os.environ.get("K", "2"))
@@ -18,10 +22,16 @@ for run in plain_runs(AutoTokenizer.from_pretrained(sys.argv[1]), sys.argv[2], s
             if toks:
                 b = suffix._bucket(d.candidate.match)
                 for key in ((s, b), ("all", b)):
-                    st = stats[key]; st[0] += 1; st[1] += d.candidate.score; st[2] += len(path)
+                    st = stats[key]
+                    st[0] += 1
+                    st[1] += d.candidate.score
+                    st[2] += len(path)
 
         replay(strategy.drafter(), prompt, out, cost, on_step=count)
 print(f"K={K}; buckets from {suffix.MATCH_EDGES}: steps, accepted / ΣP")
 for key in sorted(stats, key=lambda k: (k[0] != "all", k)):
     n, p, a = stats[key]
-    print(f"  {key[0]:<14} bucket {suffix.MATCH_EDGES[key[1]]}+: {n:4d} steps, ΣP {p / n:.2f}/step, acc {a / n:.2f}/step, acc/ΣP {a / p:.2f}")
+    print(
+        f"  {key[0]:<14} bucket {suffix.MATCH_EDGES[key[1]]}+: {n:4d} steps, ΣP {p / n:.2f}/step, "
+        f"acc {a / n:.2f}/step, acc/ΣP {a / p:.2f}"
+    )

@@ -2,7 +2,7 @@
 simple_python questions answered with their tools (tool_choice auto), plain constrained decoding and the server's
 default strategy. Run from the repository root (bfcl-eval installed):
 
-    .venv/bin/python docs/bench/grammar/host.py [questions]
+    .venv/bin/python scripts/grammar/host.py [questions]
 
 First what a forced run's fill costs per row against a decode step (a block of k rows, its last row's logits, after
 a 400-token prompt: the call a forced run makes). Then every entry into the grammar's state from the engine (masks,
@@ -36,6 +36,7 @@ def timed(fn):
             depth[0] -= 1
             if not depth[0]:  # an entry from outside the grammar's state
                 spent[0] += time.perf_counter() - t0
+
     return run
 
 
@@ -61,8 +62,10 @@ def fill_cost(pair, reps: int = 7) -> None:
             cache.keep([])
         t = sorted(times)[reps // 2]
         one = one or t
-        print(f"fill of {k:2d} rows: {1000 * t:6.1f} ms, {1000 * t / k:5.1f} ms a row = {t / k / one:.2f} of a "
-              "decode step")
+        print(
+            f"fill of {k:2d} rows: {1000 * t:6.1f} ms, {1000 * t / k:5.1f} ms a row = {t / k / one:.2f} of a "
+            "decode step"
+        )
 
 
 def main(n: int) -> None:
@@ -79,9 +82,11 @@ def main(n: int) -> None:
             steps, tokens = steps + len(out.stats.steps), tokens + len(out.token_ids)
             wall += out.total_s - out.stats.prefill_s
         g = spent[0]
-        print(f"{name:8s} {len(qs)} answers, {steps} steps, {tokens} tokens: grammar {1000 * g / steps:.2f} ms a step "
-              f"({1000 * g / tokens:.2f} ms a token; {100 * g / wall:.1f}% of the time after the prompt's fill, "
-              f"{1000 * wall / tokens:.1f} ms a token)")
+        print(
+            f"{name:8s} {len(qs)} answers, {steps} steps, {tokens} tokens: grammar {1000 * g / steps:.2f} ms a step "
+            f"({1000 * g / tokens:.2f} ms a token; {100 * g / wall:.1f}% of the time after the prompt's fill, "
+            f"{1000 * wall / tokens:.1f} ms a token)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What a grammar costs per token on the embedded target's vocabulary (151,936 tokens), llguidance against
 xgrammar: compile time, mask time per token along a real answer, rollback. Run from the repository root:
 
-    .venv/bin/python docs/bench/grammar/masks.py            # xgrammar from PYTHONPATH if importable
+    .venv/bin/python scripts/grammar/masks.py           # xgrammar from PYTHONPATH if importable
 
 Three constraints: a json_object, the json_schema of a BFCL call, and the tool-call grammar of `tool_choice`
 "required" (the template's <tool_call> syntax, the call's schema). The answer walked is what the model writes.
@@ -20,9 +20,17 @@ from speculor.grammar.tools import call_schema, read_tools, tool_constraint
 from speculor.runtime.assets import cache_dir
 
 V = 151936
-TOOL = {"type": "function", "function": {"name": "calculate_triangle_area", "parameters": {
-    "type": "object", "properties": {"base": {"type": "integer"}, "height": {"type": "integer"},
-                                     "unit": {"type": "string"}}, "required": ["base", "height"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculate_triangle_area",
+        "parameters": {
+            "type": "object",
+            "properties": {"base": {"type": "integer"}, "height": {"type": "integer"}, "unit": {"type": "string"}},
+            "required": ["base", "height"],
+        },
+    },
+}
 CALL = '{"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5, "unit": "units"}}'
 TEXTS = {"json_object": CALL, "json_schema": CALL, "tool call": f"<tool_call>\n{CALL}\n</tool_call>"}
 
@@ -33,9 +41,11 @@ def main() -> None:
     g = Grammars(tok, V)
     print(f"llguidance {__import__('llguidance').__version__}: tokenizer {1000 * (time.perf_counter() - t0):.0f} ms")
     tools = read_tools([TOOL])
-    constraints = {"json_object": Constraint("json_object"),
-                   "json_schema": Constraint.json_schema(call_schema(tools)),
-                   "tool call": tool_constraint(tools, "required", True, g.special("<tool_call>"))}
+    constraints = {
+        "json_object": Constraint("json_object"),
+        "json_schema": Constraint.json_schema(call_schema(tools)),
+        "tool call": tool_constraint(tools, "required", True, g.special("<tool_call>")),
+    }
     for name, c in constraints.items():
         t0 = time.perf_counter()
         m = g.matcher(c)
@@ -47,10 +57,12 @@ def main() -> None:
             m.compute_bitmask()
             times.append(1e6 * (time.perf_counter() - t0))
             if i == len(ids) - 1:  # before the end token: three back and forth again
-                assert m.rollback(3) and m.consume_tokens(ids[i - 3:i]), m.get_error()
+                assert m.rollback(3) and m.consume_tokens(ids[i - 3 : i]), m.get_error()
             assert m.consume_token(t), (name, tok.decode([t]), m.get_error())
-        print(f"  {name:12s} compile {compile_ms:7.2f} ms, mask {statistics.median(times):6.1f} us median, "
-              f"{max(times):7.1f} max over {len(ids)} tokens; rollback ok")
+        print(
+            f"  {name:12s} compile {compile_ms:7.2f} ms, mask {statistics.median(times):6.1f} us median, "
+            f"{max(times):7.1f} max over {len(ids)} tokens; rollback ok"
+        )
     xgrammar(tok, constraints, tools)
 
 
@@ -63,7 +75,10 @@ def xgrammar(tok, constraints, tools) -> None:
     t0 = time.perf_counter()
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V)
     compiler = xgr.GrammarCompiler(info)
-    print(f"xgrammar {__import__('importlib.metadata').metadata.version('xgrammar')}: tokenizer {1000 * (time.perf_counter() - t0):.0f} ms")
+    print(
+        f"xgrammar {__import__('importlib.metadata').metadata.version('xgrammar')}: "
+        f"tokenizer {1000 * (time.perf_counter() - t0):.0f} ms"
+    )
     import torch
 
     for name in constraints:
@@ -75,7 +90,8 @@ def xgrammar(tok, constraints, tools) -> None:
         else:
             compiled = compiler.compile_structural_tag(
                 [xgr.StructuralTagItem(begin="<tool_call>\n", schema=call_schema(tools), end="\n</tool_call>")],
-                ["<tool_call>"])
+                ["<tool_call>"],
+            )
         compile_ms = 1000 * (time.perf_counter() - t0)
         m = xgr.GrammarMatcher(compiled)
         bitmask = torch.zeros((1, (V + 31) // 32), dtype=torch.int32)
@@ -87,12 +103,14 @@ def xgrammar(tok, constraints, tools) -> None:
             times.append(1e6 * (time.perf_counter() - t0))
             if i == len(ids) - 1:
                 m.rollback(3)
-                assert all(m.accept_token(x) for x in ids[i - 3:i])
+                assert all(m.accept_token(x) for x in ids[i - 3 : i])
             if not m.accept_token(t):
                 print(f"  {name}: xgrammar refused {tok.decode([t])!r}")
                 break
-        print(f"  {name:12s} compile {compile_ms:7.2f} ms, mask {statistics.median(times):6.1f} us median, "
-              f"{max(times):7.1f} max over {len(times)} tokens; rollback ok")
+        print(
+            f"  {name:12s} compile {compile_ms:7.2f} ms, mask {statistics.median(times):6.1f} us median, "
+            f"{max(times):7.1f} max over {len(times)} tokens; rollback ok"
+        )
 
 
 if __name__ == "__main__":

@@ -52,12 +52,15 @@ def child(path: str, repack: bool, prefix: int) -> None:
         t0 = time.perf_counter()
         assert L.llama_decode(ctx, batch) == 0
         dt = time.perf_counter() - t0
-        rows = [np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
-                for i in range(len(tokens)) if want_all]
+        rows = [
+            np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+            for i in range(len(tokens))
+            if want_all
+        ]
         return rows, dt
 
     for start in range(0, prefix, N_UBATCH):  # the prompt, one ubatch a call
-        decode(toks[start:min(prefix, start + N_UBATCH)], start, want_all=False)
+        decode(toks[start : min(prefix, start + N_UBATCH)], start, want_all=False)
     alone = []
     for i in range(max(SIZES)):  # the reference: one row a call
         rows, _ = decode([toks[prefix + i]], prefix + i)
@@ -67,14 +70,17 @@ def child(path: str, repack: bool, prefix: int) -> None:
     for n in SIZES:
         times, diff = [], 0.0
         for _ in range(REPS):
-            rows, dt = decode(toks[prefix:prefix + n], prefix)
+            rows, dt = decode(toks[prefix : prefix + n], prefix)
             L.llama_memory_seq_rm(mem, 0, prefix, -1)
             times.append(dt)
             diff = max(diff, max(float(np.abs(r - a).max()) for r, a in zip(rows, alone[:n], strict=True)))
         t = statistics.median(times)
         t1 = t1 or t
-        print(f"repack={int(repack)} n={n:2d}  t(n) {t * 1e3:6.1f} ms  t(n)/t(1) {t / t1:5.2f}"
-              f"  per row {t / t1 / n:4.2f}  max|row - alone| {diff:.3g}", flush=True)
+        print(
+            f"repack={int(repack)} n={n:2d}  t(n) {t * 1e3:6.1f} ms  t(n)/t(1) {t / t1:5.2f}"
+            f"  per row {t / t1 / n:4.2f}  max|row - alone| {diff:.3g}",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ started as a user starts it, one at a time: `speculor loadtest`'s rounds (a refe
 then 1, 4 and 16 concurrent clients), in `--repeats` interleaved rounds. Writes results.json (rows per server and
 repeat, and each server's answers) and prints a table with the Ray path's throughput over the direct server's.
 
-    .venv/bin/python docs/bench/cpu-ray/run.py --repeats 3
+    .venv/bin/python scripts/ray/run.py --repeats 3        # writes docs/bench/cpu-ray/results.json
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def started(args: list[str], log: Path) -> subprocess.Popen:
 
 def idle_cpu(proc: subprocess.Popen, seconds: float = 20.0) -> float:
     """CPU the server and every process it started (Ray's) use while no request runs, in cores."""
+
     def total() -> float:
         procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
         busy = 0.0
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--one-thread", action="store_true", help="the ONE_THREAD servers instead of SERVERS")
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
+    ap.add_argument("--out", default=str(Path(__file__).parents[2] / "docs" / "bench" / "cpu-ray" / "results.json"))
     a = ap.parse_args()
     texts = [p.text for p in prompts.load(["mtbench", "humaneval"], 16)]
     clients = [int(c) for c in a.clients.split(",")]
@@ -105,8 +106,9 @@ def main() -> None:
             finally:
                 stopped(proc)
             runs.append({"server": name, "repeat": repeat, "rows": rows, "answers": answers, "idle_cpu": idle})
-            speeds = ", ".join(f"{r['clients']}{'r' if r.get('reference') else ''}: {r['throughput_tokens_per_s']:.1f}"
-                               for r in rows)
+            speeds = ", ".join(
+                f"{r['clients']}{'r' if r.get('reference') else ''}: {r['throughput_tokens_per_s']:.1f}" for r in rows
+            )
             print(f"repeat {repeat} {name} (idle: {idle:.3f} cores): {speeds} tok/s", flush=True)
             Path(a.out).write_text(json.dumps(runs, indent=1) + "\n")
     print(table(runs))
@@ -116,21 +118,30 @@ def table(runs: list[dict]) -> str:
     """Median throughput (min-max over repeats) per server and concurrency, and the ratio to the direct server's
     (with as many threads) throughput of the same repeat."""
     first = runs[0]["answers"]
-    lines = ["| server | clients | tokens/s, median (min-max) | x direct, median (min-max) | answers differing "
-             "(in the run / from direct) |", "|---|---|---|---|---|"]
+    lines = [
+        "| server | clients | tokens/s, median (min-max) | x direct, median (min-max) | answers differing "
+        "(in the run / from direct) |",
+        "|---|---|---|---|---|",
+    ]
     for name in dict.fromkeys(r["server"] for r in runs):
         mine = [r for r in runs if r["server"] == name]
         for i, row in enumerate(mine[0]["rows"]):
             label = "1 (one by one)" if row.get("reference") else str(row["clients"])
             tps = [r["rows"][i]["throughput_tokens_per_s"] for r in mine]
             base = "direct, 1 thread" if name.endswith("1 thread") else "direct"
-            ratios = [r["rows"][i]["throughput_tokens_per_s"] / d["rows"][i]["throughput_tokens_per_s"]
-                      for r in mine for d in runs if d["server"] == base and d["repeat"] == r["repeat"]]
+            ratios = [
+                r["rows"][i]["throughput_tokens_per_s"] / d["rows"][i]["throughput_tokens_per_s"]
+                for r in mine
+                for d in runs
+                if d["server"] == base and d["repeat"] == r["repeat"]
+            ]
             inside = sum(r["rows"][i]["answers_differing"] for r in mine)
             across = sum(r["answers"][p] != first[p] for r in mine for p in first)
-            lines.append(f"| {name} | {label} | {statistics.median(tps):.2f} ({min(tps):.2f}-{max(tps):.2f}) | "
-                         f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | {inside} / "
-                         f"{across} |")
+            lines.append(
+                f"| {name} | {label} | {statistics.median(tps):.2f} ({min(tps):.2f}-{max(tps):.2f}) | "
+                f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | {inside} / "
+                f"{across} |"
+            )
     return "\n".join(lines)
 
 

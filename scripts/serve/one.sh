@@ -1,6 +1,10 @@
-# one.sh SRC TAG: serve from SRC, 4 requests of 128 greedy tokens one after another
+#!/bin/bash
+# usage: scripts/serve/one.sh SRC TAG
+# `speculor serve --threads 2` from the checkout SRC, then 4 chat requests of 128 greedy tokens one after another;
+# prints each request's seconds, keeps the answers in /tmp/ans_TAG_*.json. PY: the Python with speculor's
+# dependencies (default: this checkout's .venv).
+PY=${PY:-$(pwd)/.venv/bin/python}
 export PYTHONPATH=$1/src
-PY=/work/main/.venv/bin/python
 cd /tmp
 $PY -m speculor.cli serve --threads 2 --port 8311 > /tmp/serve_$2.log 2>&1 &
 S=$!

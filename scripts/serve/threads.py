@@ -10,8 +10,13 @@ import llama_cpp
 
 from speculor.runtime import openmp
 
-m = llama_cpp.Llama(os.path.expanduser("~/.cache/speculor/gguf/qwen2.5-coder-1.5b-instruct.gguf"), n_threads=2,
-                    n_threads_batch=2, verbose=False, n_ctx=2048)
+m = llama_cpp.Llama(
+    os.path.expanduser("~/.cache/speculor/gguf/qwen2.5-coder-1.5b-instruct.gguf"),
+    n_threads=2,
+    n_threads_batch=2,
+    verbose=False,
+    n_ctx=2048,
+)
 toks = m.tokenize(b"Write a short story about a robot who learns to paint.")
 
 
