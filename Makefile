@@ -34,11 +34,11 @@ unit: setup
 	$(PY) -m pytest -q -m "not integration"
 
 test: models
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts
 	$(PY) -m pytest -q
 
 lint: setup
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts
 
 llama-server: $(LLAMA_SERVER)
 
