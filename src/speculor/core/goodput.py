@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-MARGIN = 1.15  # how much better than plain a draft must be predicted to be where the curve is extrapolated (a
-# draft model's forwards alone, `chain_can_pay`; other requests' rows, `best_prefix`): the bench's band of model error
+from speculor.core import priors
+
+# how much better than plain a draft must be predicted to be where the curve is extrapolated (a draft model's
+# forwards alone, `chain_can_pay`; other requests' rows, `best_prefix`): the bench's band of model error, set by hand
+# (data/priors.json "goodput.margin" says from what)
+MARGIN = priors.value("goodput.margin")
 
 
 class Costs(Protocol):

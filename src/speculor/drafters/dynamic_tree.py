@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
-from speculor.core import goodput
+from speculor.core import goodput, priors
 from speculor.core.goodput import MARGIN
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
@@ -52,7 +52,9 @@ from speculor.runtime.cost import CostModel
 Variant = Literal["heap", "threshold"]
 AUTO_CAP = 64  # most draft tokens per step with budget="auto"
 AUTO_THRESHOLD = 1e-3  # smallest draw value with budget="auto" (the cost model decides above it)
-FIRST_RATE = 0.8  # prior of the share of steps whose first draft token is accepted (batch-aware auto budget)
+# prior of the share of steps whose first draft token is accepted (batch-aware auto budget): data/priors.json
+# "dyspec.first_rate" (no fit recorded)
+FIRST_RATE = priors.value("dyspec.first_rate")
 
 
 # ---------------------------------------------------------------- options

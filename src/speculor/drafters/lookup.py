@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from speculor.config import SamplingConfig, check_int
+from speculor.core import priors
 from speculor.core.goodput import Costs, best_prefix
 from speculor.core.tree import DraftTree, merge
 from speculor.core.verify import Verdict
@@ -69,8 +70,9 @@ class NgramIndex:
         return out
 
 
-# Beta priors of the acceptance after a match of 1, 2, 3+ tokens, 2 pseudo-tokens each (means 0.3, 0.5, 0.8)
-PRIOR = ((0.6, 1.4), (1.0, 1.0), (1.6, 0.4))
+# Beta (hit, miss) priors of the acceptance after a match of 1, 2, 3+ tokens, 2 pseudo-tokens each; their value and how
+# they were chosen: data/priors.json "ngram.prior"
+PRIOR = priors.value("ngram.prior")
 DECAY = 0.9  # counts of a matched length kept at each step it is not tried
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
+from speculor.core import priors
 from speculor.core.goodput import Costs, best_prefix
 from speculor.core.suffix import NOTHING, Candidate, SuffixCache, SuffixTrie
 from speculor.core.tree import EMPTY, DraftTree
@@ -67,11 +68,10 @@ PRIOR = 2.0  # pseudo-tokens of the prior trust TRUST_0: what steps say outweigh
 DECAY = 0.999  # what a bucket keeps of its sums at each step that matches in it and drafts nothing (half-life ~700)
 MATCH_EDGES = (1, 2, 3, 5, 9)  # lower edges of the match-length buckets the trust is learned in
 DEPTH_EDGES = (1, 2, 3, 5)  # ... and of the node depths within each
-# accepted / Σ P per bucket and depth, drafting at every match, replayed on plain answers of the embedded sets
-# (Spec-Bench's read alike over 1-4-token matches, lower deep after longer ones), the 5-8 row's depths 2+ raised
-# from 0.62, 0.55, 0.55 to where the copy sets keep drafting when shared (docs/bench/cpu-suffix/prior)
-TRUST_0 = ((0.35, 0.25, 0.2, 0.15), (0.45, 0.3, 0.25, 0.2), (0.6, 0.4, 0.35, 0.3), (0.8, 0.7, 0.65, 0.6),
-           (0.95, 0.9, 0.85, 0.8))
+# the prior trust τ₀ per match bucket (rows) and depth class (columns): accepted / Σ P of drafts made at every match,
+# replayed on plain answers; its value, the answers, machine and command it was fitted with, and what was set by
+# hand: data/priors.json "suffix.trust_0" (`speculor refit-priors` recomputes it)
+TRUST_0 = priors.value("suffix.trust_0")
 ON_OFF = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
 
 
