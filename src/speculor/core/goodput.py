@@ -41,9 +41,8 @@ def best_prefix(cost: Costs, values: Iterable[float], batch: object | None = Non
     In a batch (a `BatchLedger`) the step is the batch's: the others' tokens T_o, rows R_o and draft seconds D_o
     join every n's rate, (T_o + 1 + Σ_{i<n} v_i) / (D_o + t_target(R_o + n + 1)), so a row must pay for the whole
     batch's forward growing, and the best n must beat the plain step by MARGIN: the curve is one request's, and
-    priced from it other requests' rows and host time were off by more than the gain (value-1 rows predicted 3%
-    faster at 16 requests ran 9-12% slower, docs/bench/cpu-room/batch-aware); nothing beside a prompt chunk (its
-    request waits for the step)."""
+    priced from it other requests' rows and host time were off by more than the gain (docs/algorithms.md §15,
+    docs/bench/cpu-room/batch-aware); nothing beside a prompt chunk (its request waits for the step)."""
     if batch is not None and batch.filling:
         return 0
     t_o, r_o, d_o = others(batch, cost)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 class _Node:
     """A trie node: its count and children. Most nodes have at most one child (deep levels are chains), so the
-    first child is kept in two slots and only the others in a dict: a few times less memory than a dict each."""
+    first child is kept in two slots and only the others in a dict: a node of a chain holds no dict."""
 
     __slots__ = ("count", "tok", "one", "more")
 

@@ -23,9 +23,10 @@ siblings are sampled without replacement (SWOR) in draw order, and verification 
                = depth. With t = the last draw value the heap variant takes, and the same budget, both build the
                same tree (given the same draws). A binding cap is spent on shallow draws first, so by default t
                is steered between steps to keep the tree under the cap (`steer`); a given threshold stays fixed.
-At temperature 0 the draws are deterministic (the most likely remaining token; values from softmax(logits / 0.5))
-and verification is greedy matching. `budget="auto"` (threshold or heap) grows while this machine's cost model
-(runtime.cost.CostModel) says a draw or a layer raises the estimated tokens per second, estimated tokens = 1 + Σ v.
+At temperature 0 the draws are deterministic (the most likely remaining token; values from softmax(logits /
+GREEDY_VALUE_TEMPERATURE)) and verification is greedy matching. `budget="auto"` (threshold or heap) grows while this
+machine's cost model (runtime.cost.CostModel) says a draw or a layer raises the estimated tokens per second,
+estimated tokens = 1 + Σ v.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ expected rate, j = 0 (plain decoding) included, under the acceptance measured so
     rate(j) = (1 + a + a^2 + ... + a^j) / t_target(j + 1)      a = P(a copied token is accepted | the ones before)
 
 a is a Beta estimate from the copied tokens that reached verification, kept apart per length of the matched n-gram
-(a 3-gram's copy is far likelier right than a 1-gram's), from a prior of that length's (PRIOR: means 0.3, 0.5, 0.8
-after 1, 2, 3+ tokens, the acceptance replayed on plain answers, docs/bench/cpu-suffix/ngram); its counts decay by
+(a 3-gram's copy is far likelier right than a 1-gram's), from a prior of that length's (PRIOR, lower after shorter
+matches: data/priors.json "ngram.prior" says how it was chosen, docs/bench/cpu-suffix/ngram); its counts decay by
 DECAY at every step it is not tried for its own acceptance, so a length given up on is tried again later. On a
-flat curve (fp32 torch) the whole continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do. In
-a batch the rate is the batch step's (core/goodput.best_prefix: the other requests' tokens and rows join both sides).
-t_target follows the target's calls as they are timed (runtime/cost.Measured), but for a seeded sampled request."""
+flat curve (fp32 torch) the whole continuation pays; on llama.cpp's steep one (a second row costs a good part of a
+first: docs/algorithms.md §15) only confident copies do. In a batch the rate is the batch step's
+(core/goodput.best_prefix: the other requests' tokens and rows join both sides). t_target follows the target's calls
+as they are timed (runtime/cost.Measured), but for a seeded sampled request."""
 
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ Tree size:
                     v_i is never above its parent's; trust(m, d) = (accepted + PRIOR · τ₀(m, d)) / (Σ P drafted +
                     PRIOR) over the nodes at a depth in d's class (DEPTH_EDGES) of earlier drafts after a match
                     whose length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the
-                    target accepts, from the prior TRUST_0 (τ₀; a 1-token match on chat or code is followed a third
-                    of the time its counts say, a 9-token one nearly always, deeper nodes less) until something was
-                    verified there.
+                    target accepts, from the prior TRUST_0 (τ₀, data/priors.json and docs/algorithms.md §15: short
+                    matches are followed far less often than their counts say, long ones nearly as often, deeper
+                    nodes less) until something was verified there.
                     Learned online by the strategy, across its requests (a seeded sampled request learns its own, as
                     it reads its own trie, from the same prior: its tree still follows from its seed); both sums of a
                     bucket fade by DECAY at each step that has a match in it and drafts nothing, so a bucket given up
