@@ -45,7 +45,7 @@ def best_prefix(cost: Costs, values: Iterable[float], batch: object | None = Non
     docs/bench/cpu-room/batch-aware); nothing beside a prompt chunk (its request waits for the step)."""
     if batch is not None and batch.filling:
         return 0
-    t_o, r_o, d_o = others(batch, cost)
+    t_o, r_o, d_o = rest_of_batch(batch, cost)
     tokens = t_o + 1.0
     plain = best = (rate(cost, tokens, r_o + 1, d_o), 0)
     for n, v in enumerate(values, 1):
@@ -66,7 +66,7 @@ def chain_can_pay(cost: Costs, depth: int, margin: float) -> bool:
                > margin / cost.t_target(1) for k in range(1, depth + 1))
 
 
-def others(ledger: object | None, cost: Costs) -> tuple[float, int, float]:
+def rest_of_batch(ledger: object | None, cost: Costs) -> tuple[float, int, float]:
     """(tokens, rows, draft seconds) the rest of the batch brings to the step (a `BatchLedger`; a request still to
     propose counts as its root: one row, one token); nothing when drafting alone."""
     if ledger is None:

@@ -90,46 +90,47 @@ class NgramDrafter(BatchAware):
         self.price = cost  # the curve of this step's cut (`steady`: the profile alone for a seeded sampled request)
         # auto: per matched length m, copied tokens that reached verification and tokens accepted
         self.reached, self.accepted = [0.0] * (n + 1), [0.0] * (n + 1)
-        self.cut, self.m = k, 0
+        self.cut, self.matched = k, 0  # the last step's cut, and the length of the n-gram its copy was found by
         self.index = NgramIndex(n)
         self.batch_aware = cost is not None
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         found = self.index.matches(seq, self.k, self.branches)
         conts = [c for _, c in found]
+        self.matched = found[0][0] if found else 0
         if self.cost is not None:
-            self.m = found[0][0] if found else 0
             longest = max((len(c) for c in conts), default=0)
             self.price = steady(self.cost, cfg.seed is not None and not cfg.greedy)
             self.cut = self._best_cut(longest, self.ledger)
             conts = [c[:self.cut] for c in conts if self.cut]
-            if not self.cut and self.m and (self.ledger is None or not self._best_cut(longest)):
+            if not self.cut and self.matched and (self.ledger is None or not self._best_cut(longest)):
                 # not tried for its own acceptance (not for the batch's load): what was learned at this length fades
-                self.reached[self.m] *= DECAY
-                self.accepted[self.m] *= DECAY
+                self.reached[self.matched] *= DECAY
+                self.accepted[self.matched] *= DECAY
         chains = [DraftTree.chain(c, draw="point") for c in conts]
         self.stats = {"cut": self.cut} if self.cost is not None else None
         tree = merge(chains).tree
-        self.expected_tokens = 1.0 + sum(self._a() ** j for j in range(1, self.cut + 1)) if conts and self.cost else 1.0
+        self.expected_tokens = (1.0 + sum(self._acceptance() ** j for j in range(1, self.cut + 1))
+                                if conts and self.cost else 1.0)
         self.estimate = (1 + len(tree), self.expected_tokens)
         if self.ledger is not None:  # the requests after it in the batch see this tree
             self.ledger.publish(*self.estimate)
         return tree
         yield  # asks for nothing
 
-    def _a(self) -> float:
+    def _acceptance(self) -> float:
         """The acceptance estimate after a match of length m (module docstring)."""
-        hit, miss = PRIOR[min(max(self.m, 1), len(PRIOR)) - 1]
-        return (self.accepted[self.m] + hit) / (self.reached[self.m] + hit + miss)
+        hit, miss = PRIOR[min(max(self.matched, 1), len(PRIOR)) - 1]
+        return (self.accepted[self.matched] + hit) / (self.reached[self.matched] + hit + miss)
 
     def _best_cut(self, longest: int, batch: BatchLedger | None = None) -> int:
         """The continuation length with the best expected rate (module docstring), 0 = none; a step's of `batch`."""
-        a = self._a()
+        a = self._acceptance()
         return best_prefix(self.price, (a**j for j in range(1, longest + 1)), batch)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.cost is None:
             return
         got = len(verdict.path)
-        self.reached[self.m] += min(self.cut, got + 1)  # a token reaches verification iff the ones before passed
-        self.accepted[self.m] += min(self.cut, got)
+        self.reached[self.matched] += min(self.cut, got + 1)  # a token reaches verification iff the ones before passed
+        self.accepted[self.matched] += min(self.cut, got)

@@ -93,7 +93,7 @@ def suffix_cells(runs: Sequence[Run], budget: int = SUFFIX_BUDGET,
         candidate, accepted = drafter.candidate, set(path)
         row = cells[suffix._bucket(candidate.match)]
         for i, (prob, depth) in enumerate(zip(candidate.probs, candidate.depths, strict=True)):
-            cell = row[suffix._level(depth)]
+            cell = row[suffix._depth_class(depth)]
             cell.nodes += 1
             cell.mass += prob
             cell.accepted += i in accepted
@@ -134,33 +134,22 @@ class Copies:
         return self.first / self.steps if self.steps else None
 
 
-class _NotingMatch(NgramDrafter):
-    """ngram's drafter noting the length of the n-gram each step's continuation was found by (`matched`)."""
-
-    matched = 0
-
-    def propose(self, seq, cfg, generator):  # noqa: ANN001, ANN201 (NgramDrafter.propose's)
-        found = self.index.matches(seq, self.k, self.branches)
-        self.matched = found[0][0] if found else 0
-        return super().propose(seq, cfg, generator)
-
-
 def ngram_copies(runs: Sequence[Run], k: int = NGRAM_K, n: int = NGRAM_N) -> list[Copies]:
     """ngram's whole continuations at every match over the runs' answers, counted per matched length m = 1..n
     (index m - 1)."""
     copies = [Copies() for _ in range(n)]
 
-    def count(drafter: _NotingMatch, tokens: list[int], path: list[int]) -> None:
+    def count(drafter: NgramDrafter, tokens: list[int], path: list[int]) -> None:
         if tokens:
-            c = copies[drafter.matched - 1]
-            c.steps += 1
-            c.reached += min(len(tokens), len(path) + 1)
-            c.accepted += len(path)
-            c.first += bool(path)
+            seen = copies[drafter.matched - 1]
+            seen.steps += 1
+            seen.reached += min(len(tokens), len(path) + 1)
+            seen.accepted += len(path)
+            seen.first += bool(path)
 
     for run in runs:
         for prompt, answer in run:
-            replay(_NotingMatch(k=k, n=n), prompt, answer, count)
+            replay(NgramDrafter(k=k, n=n), prompt, answer, count)
     return copies
 
 

@@ -119,7 +119,7 @@ class Trust:
         self.drafted = [[0.0] * len(DEPTH_EDGES) for _ in MATCH_EDGES]
 
     def of(self, match: int, depth: int = 1) -> float:
-        return self._row(match)[_level(depth)]
+        return self._row(match)[_depth_class(depth)]
 
     def _row(self, match: int) -> list[float]:
         """trust(m, d) for every depth class d."""
@@ -131,7 +131,7 @@ class Trust:
         """v_i = min(1, trust(m, depth_i) · P_i), never above its parent's (a node is accepted only after it)."""
         row, v = self._row(c.match), []
         for p, parent, depth in zip(c.probs, c.parents, c.depths, strict=True):
-            x = min(1.0, row[_level(depth)] * p)
+            x = min(1.0, row[_depth_class(depth)] * p)
             v.append(x if parent < 0 else min(x, v[parent]))
         return v
 
@@ -139,7 +139,7 @@ class Trust:
         """A verified tree: each node's P drafted at its depth, accepted where it is on the path."""
         b, on = _bucket(c.match), set(path)
         for i, (p, depth) in enumerate(zip(c.probs, c.depths, strict=True)):
-            d = _level(depth)
+            d = _depth_class(depth)
             self.drafted[b][d] += p
             self.accepted[b][d] += i in on
 
@@ -153,7 +153,7 @@ def _bucket(match: int) -> int:
     return max(0, bisect_right(MATCH_EDGES, match) - 1)
 
 
-def _level(depth: int) -> int:
+def _depth_class(depth: int) -> int:
     return bisect_right(DEPTH_EDGES, depth) - 1
 
 
@@ -204,11 +204,11 @@ class SuffixDrafter(BatchAware):
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         self._index(seq[self.known:], output=self.known > 0)
-        o = self.opts
-        own = self.trie.propose(seq, o.cap, o.min_prob, o.max_spec_factor)
+        opts = self.opts
+        own = self.trie.propose(seq, opts.cap, opts.min_prob, opts.max_spec_factor)
         alone = cfg.seed is not None and not cfg.greedy  # module docstring
-        other = NOTHING if self.cache is None or alone else self.cache.propose(seq, o.cap, o.min_prob,
-                                                                                o.max_spec_factor)
+        other = NOTHING if self.cache is None or alone else self.cache.propose(seq, opts.cap, opts.min_prob,
+                                                                                opts.max_spec_factor)
         best = other if other.match > own.match else own
         self.trust = self.own_trust if alone else self.shared_trust
         self.price = steady(self.cost, alone)

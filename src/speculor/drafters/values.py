@@ -67,7 +67,7 @@ def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float
     seconds D_o and target rows R_o join both sides, so one more row must pay for the whole batch's forward
     growing, and at high load nothing does.
     """
-    t_o, r_o, d_o = goodput.others(batch, cost)
+    t_o, r_o, d_o = goodput.rest_of_batch(batch, cost)
     now = goodput.rate(cost, t_o + 1 + value_sum, r_o + n + 1, d_o + draft_s)
     then = goodput.rate(cost, t_o + 1 + value_sum + gain, r_o + n + extra_nodes + 1, d_o + draft_s + extra_draft_s)
     return then > now
