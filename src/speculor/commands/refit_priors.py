@@ -32,7 +32,7 @@ def run(args: Args) -> None:
               "date": datetime.date.today().isoformat(), "commit": _commit()}
     entries["suffix.trust_0"], changes = refit.refit_trust(entries["suffix.trust_0"], refit.suffix_cells(runs),
                                                            fitted)
-    print("suffix.trust_0:", "unchanged" if not changes else "")
+    print(f"suffix.trust_0: {len(changes)} cells changed" if changes else "suffix.trust_0: unchanged")
     for line in changes:
         print(f"  {line}")
     means = [hit / (hit + miss) for hit, miss in entries["ngram.prior"]["value"]]
