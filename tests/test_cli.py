@@ -20,8 +20,8 @@ import pytest
 from speculor import cli, commands
 from speculor.errors import SpeculorError
 
-COMMANDS = ["generate", "bench", "calibrate", "profile", "train-head", "tune-threshold", "fetch-models", "serve",
-            "loadtest"]
+COMMANDS = ["generate", "bench", "calibrate", "profile", "train-head", "tune-threshold", "refit-priors", "fetch-models",
+            "serve", "loadtest"]
 HEAVY = ("torch", "transformers")
 
 

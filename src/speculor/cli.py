@@ -1,5 +1,5 @@
-"""Command line: `speculor generate | bench | calibrate | profile | train-head | tune-threshold | fetch-models | serve |
-loadtest`.
+"""Command line: `speculor generate | bench | calibrate | profile | train-head | tune-threshold | refit-priors |
+fetch-models | serve | loadtest | toolbench`.
 argparse lives here only; what the commands do is in the commands package (one module per command)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from speculor.commands import (
     generate,
     loadtest,
     profile,
+    refit_priors,
     serve,
     toolbench,
     train_head,
@@ -185,6 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_head_parser(sub)
     _add_boost_tune_parser(sub)
     _add_tune_threshold_parser(sub)
+    _add_refit_priors_parser(sub)
 
     sub.add_parser("fetch-models", help="download and convert the embedded model pair and prompt sets")
 
@@ -334,10 +336,28 @@ def _add_tune_threshold_parser(sub) -> None:
     _add_model_args(u, backend="torch")  # specdecpp checks its head against the draft's transformers config
 
 
+def _add_refit_priors_parser(sub) -> None:
+    r = sub.add_parser("refit-priors", help="recompute the drafters' fitted priors (data/priors.json) from the plain "
+                       "answers of bench runs; no model is loaded")
+    r.add_argument("--records", nargs="+", required=True, metavar="FILE", help="records.jsonl of `speculor bench` runs "
+                   "holding plain answers (one run a file; data/priors.json names the files each prior was fitted on)")
+    r.add_argument("--questions", action="append", default=[], metavar="FILE", help="a JSONL prompt file the records' "
+                   "prompts came from, beyond the built-in sets (repeatable)")
+    r.add_argument("--temperature", type=float, default=0.0, help="the plain answers' temperature (default 0)")
+    r.add_argument("--tokenizer", default=None, metavar="DIR", help="the target's model folder, to encode the prompts "
+                   "as the bench did (default: the embedded target's)")
+    r.add_argument("--machine", default="not given (--machine)", help="the machine and backend that decoded the "
+                   "answers, recorded with the fit")
+    r.add_argument("--priors", default=None, metavar="FILE", help="the priors file refitted (default: the packaged "
+                   "one)")
+    r.add_argument("--out", default=None, metavar="FILE", help="where to write it (default: over --priors)")
+    r.add_argument("--dry-run", action="store_true", help="print what would change, write nothing")
+
+
 COMMANDS = {"generate": generate.run, "bench": bench.run, "calibrate": calibrate.run, "profile": profile.run,
             "train-head": train_head.run, "boost-tune": boost_tune.run, "tune-threshold": tune_threshold.run,
-            "fetch-models": fetch_models.run, "serve": serve.run, "loadtest": loadtest.run,
-            "toolbench": toolbench.run}
+            "refit-priors": refit_priors.run, "fetch-models": fetch_models.run, "serve": serve.run,
+            "loadtest": loadtest.run, "toolbench": toolbench.run}
 
 
 def main(argv: list[str] | None = None) -> int:

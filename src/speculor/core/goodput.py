@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-MARGIN = 1.15  # how much better than plain a draft must be predicted to be where the curve is extrapolated (a
-# draft model's forwards alone, `chain_can_pay`; other requests' rows, `best_prefix`): the bench's band of model error
+from speculor.core import priors
+
+# how much better than plain a draft must be predicted to be where the curve is extrapolated (a draft model's
+# forwards alone, `chain_can_pay`; other requests' rows, `best_prefix`): the bench's band of model error, set by hand
+# (data/priors.json "goodput.margin" says from what)
+MARGIN = priors.value("goodput.margin")
 
 
 class Costs(Protocol):
@@ -37,12 +41,11 @@ def best_prefix(cost: Costs, values: Iterable[float], batch: object | None = Non
     In a batch (a `BatchLedger`) the step is the batch's: the others' tokens T_o, rows R_o and draft seconds D_o
     join every n's rate, (T_o + 1 + Σ_{i<n} v_i) / (D_o + t_target(R_o + n + 1)), so a row must pay for the whole
     batch's forward growing, and the best n must beat the plain step by MARGIN: the curve is one request's, and
-    priced from it other requests' rows and host time were off by more than the gain (value-1 rows predicted 3%
-    faster at 16 requests ran 9-12% slower, docs/bench/cpu-room/batch-aware); nothing beside a prompt chunk (its
-    request waits for the step)."""
+    priced from it other requests' rows and host time were off by more than the gain (docs/algorithms.md §15,
+    docs/bench/cpu-room/batch-aware); nothing beside a prompt chunk (its request waits for the step)."""
     if batch is not None and batch.filling:
         return 0
-    t_o, r_o, d_o = others(batch, cost)
+    t_o, r_o, d_o = rest_of_batch(batch, cost)
     tokens = t_o + 1.0
     plain = best = (rate(cost, tokens, r_o + 1, d_o), 0)
     for n, v in enumerate(values, 1):
@@ -63,7 +66,7 @@ def chain_can_pay(cost: Costs, depth: int, margin: float) -> bool:
                > margin / cost.t_target(1) for k in range(1, depth + 1))
 
 
-def others(ledger: object | None, cost: Costs) -> tuple[float, int, float]:
+def rest_of_batch(ledger: object | None, cost: Costs) -> tuple[float, int, float]:
     """(tokens, rows, draft seconds) the rest of the batch brings to the step (a `BatchLedger`; a request still to
     propose counts as its root: one row, one token); nothing when drafting alone."""
     if ledger is None:

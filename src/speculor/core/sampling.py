@@ -13,8 +13,8 @@ from speculor.errors import SpeculorError
 
 
 def check_finite(logits: torch.Tensor, who: str) -> None:
-    # a NaN anywhere makes the sum NaN: one vectorized pass (10x faster than isnan().any() over 151,936 logits);
-    # the exact test only where the sum says so (+inf beside -inf sums to NaN too)
+    # a NaN anywhere makes the sum NaN: one vectorized pass, cheaper than isnan().any() over a row (docs/algorithms.md
+    # §0); the exact test only where the sum says so (+inf beside -inf sums to NaN too)
     if torch.isnan(logits.sum()) and torch.isnan(logits).any():
         raise SpeculorError(f"the {who} model produced NaN logits; the model file or its dtype is broken")
 
@@ -34,7 +34,7 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return probs
 
 
-TOP_P_FIRST = 1024  # top-p looks for its prefix among this many largest first (a full sort: 20 ms over 151,936)
+TOP_P_FIRST = 1024  # top-p looks for its prefix among this many largest first (a full sort is dear: algorithms.md §0)
 
 
 def top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
@@ -59,7 +59,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def greedy(logits: torch.Tensor) -> int:
     """argmax with the lowest id on ties (torch's and numpy's argmax return the first maximum); numpy's on a host
-    fp32 row (12 us against torch's 300 us over 151,936 logits: a plain step's largest host cost)."""
+    fp32 row (far cheaper than torch's, which was a plain step's largest host cost: docs/algorithms.md §0)."""
     if logits.dtype == torch.float32 and logits.device.type == "cpu" and not logits.requires_grad:
         return int(logits.numpy().argmax())
     return int(torch.argmax(logits))
@@ -76,7 +76,7 @@ def draw_iid(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list
     """k independent draws from q [V] (mass need not sum to 1), in draw order; repeats are kept (MSS verifies each
     draw, §2). On the CPU by the inverse CDF: token i for uniform u * C[V-1] in [C[i-1], C[i]), C the fp64
     cumulative sum, so P(i) = q[i] / sum and a zero-mass token is never drawn (C[i] = C[i-1]); torch.multinomial
-    spends 5 ms a draw over 151,936 entries on this CPU."""
+    is dearer on a CPU (docs/algorithms.md §0)."""
     if q.device.type != "cpu":
         return torch.multinomial(q, k, replacement=True, generator=generator).tolist()
     c = torch.cumsum(q, 0, dtype=torch.float64)

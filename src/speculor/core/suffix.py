@@ -35,41 +35,41 @@ from dataclasses import dataclass
 
 class _Node:
     """A trie node: its count and children. Most nodes have at most one child (deep levels are chains), so the
-    first child is kept in two slots and only the others in a dict: a few times less memory than a dict each."""
+    first child is kept in two slots and only the others in a dict: a node of a chain holds no dict."""
 
-    __slots__ = ("count", "tok", "one", "more")
+    __slots__ = ("count", "first_token", "first_child", "other_children")
 
     def __init__(self) -> None:
         self.count = 0
-        self.tok = -1  # the first child's token
-        self.one: _Node | None = None  # the first child
-        self.more: dict[int, _Node] | None = None  # the other children
+        self.first_token = -1  # the first child's token
+        self.first_child: _Node | None = None  # the first child
+        self.other_children: dict[int, _Node] | None = None  # the other children
 
     def get(self, t: int) -> _Node | None:
-        if self.tok == t:
-            return self.one
-        return self.more.get(t) if self.more else None
+        if self.first_token == t:
+            return self.first_child
+        return self.other_children.get(t) if self.other_children else None
 
     def add(self, t: int) -> _Node:
         child = _Node()
-        if self.one is None:
-            self.tok, self.one = t, child
-        elif self.more is None:
-            self.more = {t: child}
+        if self.first_child is None:
+            self.first_token, self.first_child = t, child
+        elif self.other_children is None:
+            self.other_children = {t: child}
         else:
-            self.more[t] = child
+            self.other_children[t] = child
         return child
 
     def drop(self, t: int) -> None:
-        if self.tok != t:
-            del self.more[t]
-        elif self.more:  # another child takes the first slots
-            self.tok, self.one = next(iter(self.more.items()))
-            del self.more[self.tok]
+        if self.first_token != t:
+            del self.other_children[t]
+        elif self.other_children:  # another child takes the first slots
+            self.first_token, self.first_child = next(iter(self.other_children.items()))
+            del self.other_children[self.first_token]
         else:
-            self.tok, self.one = -1, None
-        if not self.more:
-            self.more = None
+            self.first_token, self.first_child = -1, None
+        if not self.other_children:
+            self.other_children = None
 
     def followed(self) -> int:
         """Occurrences followed by a token: the children's counts."""
@@ -77,9 +77,10 @@ class _Node:
 
     def kids(self) -> list[tuple[int, _Node]]:
         """(token, child) of every child, the first child first."""
-        if self.one is None:
+        if self.first_child is None:
             return []
-        return [(self.tok, self.one), *self.more.items()] if self.more else [(self.tok, self.one)]
+        first = (self.first_token, self.first_child)
+        return [first, *self.other_children.items()] if self.other_children else [first]
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class SuffixTrie:
         for t in tokens:
             nxt = [self.root]
             for node in tail[:depth]:
-                child = node.one if node.tok == t else node.get(t)
+                child = node.first_child if node.first_token == t else node.get(t)
                 if child is None:
                     child = node.add(t)
                     self.nodes += 1
@@ -169,7 +170,7 @@ class SuffixTrie:
         while lo <= hi:  # having children is monotone in the tail's length (module docstring)
             mid = (lo + hi) // 2
             node = self.find(context[len(context) - mid:])
-            if node is not None and node.one is not None:
+            if node is not None and node.first_child is not None:
                 best, lo = (mid, node), mid + 1
             else:
                 hi = mid - 1

@@ -23,9 +23,10 @@ siblings are sampled without replacement (SWOR) in draw order, and verification 
                = depth. With t = the last draw value the heap variant takes, and the same budget, both build the
                same tree (given the same draws). A binding cap is spent on shallow draws first, so by default t
                is steered between steps to keep the tree under the cap (`steer`); a given threshold stays fixed.
-At temperature 0 the draws are deterministic (the most likely remaining token; values from softmax(logits / 0.5))
-and verification is greedy matching. `budget="auto"` (threshold or heap) grows while this machine's cost model
-(runtime.cost.CostModel) says a draw or a layer raises the estimated tokens per second, estimated tokens = 1 + Σ v.
+At temperature 0 the draws are deterministic (the most likely remaining token; values from softmax(logits /
+GREEDY_VALUE_TEMPERATURE)) and verification is greedy matching. `budget="auto"` (threshold or heap) grows while this
+machine's cost model (runtime.cost.CostModel) says a draw or a layer raises the estimated tokens per second,
+estimated tokens = 1 + Σ v.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any, Literal
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
-from speculor.core import goodput
+from speculor.core import goodput, priors
 from speculor.core.goodput import MARGIN
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
@@ -52,7 +53,9 @@ from speculor.runtime.cost import CostModel
 Variant = Literal["heap", "threshold"]
 AUTO_CAP = 64  # most draft tokens per step with budget="auto"
 AUTO_THRESHOLD = 1e-3  # smallest draw value with budget="auto" (the cost model decides above it)
-FIRST_RATE = 0.8  # prior of the share of steps whose first draft token is accepted (batch-aware auto budget)
+# prior of the share of steps whose first draft token is accepted (batch-aware auto budget): data/priors.json
+# "dyspec.first_rate" (no fit recorded)
+FIRST_RATE = priors.value("dyspec.first_rate")
 
 
 # ---------------------------------------------------------------- options
@@ -149,24 +152,25 @@ class DySpecDrafter(BatchAware):
                                       else not (yield from self._speculation_pays(seq, cfg)))
         if self.skipped:  # decided from earlier steps and the batch alone: exact; the draft cache catches up later
             return self.decline()
-        g = Growth(draft_s=self._t_draft(1))
-        self._publish(g)
+        growth = Growth(draft_s=self._t_draft(1))
+        self._publish(growth)
         logits = yield from catch_up(self.model, self.cache, seq)
         self.forwards = 1
         root = Slot(1.0, 0)
         root.fill(value_distribution(logits, cfg, self.opts.temperature))
         if self.opts.variant == "heap":
-            yield from self._grow_heap(g, root, cfg, generator)
+            yield from self._grow_heap(growth, root, cfg, generator)
         else:
-            yield from self._grow_layers(g, root, cfg, generator)
-        self.rows, self.values, self.draw_values = g.rows, g.values, g.draw_values
-        self.expected_tokens = 1 + sum(g.values)
-        self.stats = {"nodes": len(g), "value_sum": sum(g.values), "fed_rows": len(g.rows), "threshold": self.t}
-        self.estimate = (1 + len(g), self.expected_tokens)
-        self._publish(g, grown=True)
+            yield from self._grow_layers(growth, root, cfg, generator)
+        self.rows, self.values, self.draw_values = growth.rows, growth.values, growth.draw_values
+        self.expected_tokens = 1 + sum(growth.values)
+        self.stats = {"nodes": len(growth), "value_sum": sum(growth.values), "fed_rows": len(growth.rows),
+                      "threshold": self.t}
+        self.estimate = (1 + len(growth), self.expected_tokens)
+        self._publish(growth, grown=True)
         if self.opts.adaptive:
-            self.t = steer(self.t, len(g), self.opts.cap)
-        return g.tree(cfg.greedy)
+            self.t = steer(self.t, len(growth), self.opts.cap)
+        return growth.tree(cfg.greedy)
 
     def decline(self) -> DraftTree:
         """This step drafts nothing (`skipped`): the empty tree, and the batch counts the request as its root."""
@@ -204,25 +208,25 @@ class DySpecDrafter(BatchAware):
 
     # -------------------------------------------------------- §5.1: fixed budget, a heap of draw values
 
-    def _grow_heap(self, g: Growth, root: Slot, cfg: SamplingConfig,
+    def _grow_heap(self, growth: Growth, root: Slot, cfg: SamplingConfig,
                    generator: torch.Generator | None) -> Generator[Any, Any, None]:
         """Alg. 1: pop the best draw; draw it; push the node's next draw and the child's first draw."""
         t = self.opts.threshold if self.opts.threshold is not None else (AUTO_THRESHOLD if self.auto else 0.0)
         slots, order = {-1: root}, itertools.count()
         heap = [(-1.0, next(order), -1)]
-        while heap and len(g) < self.opts.cap:
-            negv, _, node = heapq.heappop(heap)
+        while heap and len(growth) < self.opts.cap:
+            neg_value, _, node = heapq.heappop(heap)
             slot = slots[node]
-            if -negv < t or not self._draw_pays(g, slot):
+            if -neg_value < t or not self._draw_pays(growth, slot):
                 break  # draw values only fall from here on
             if slot.r is None:
-                yield from self._fetch(g, [node] + self._lacking(heap, slots), slots, cfg)
-            child = g.draw(node, slot, cfg.greedy, generator)
+                yield from self._fetch(growth, [node] + self._lacking(heap, slots), slots, cfg)
+            child = growth.draw(node, slot, cfg.greedy, generator)
             if float(slot.r.sum()) > 0:
                 heapq.heappush(heap, (-slot.draw_value(), next(order), node))
             if slot.depth + 1 < self.opts.depth:
-                slots[child] = Slot(g.values[child], slot.depth + 1, float(slot.q[g.tokens[child]]))
-                heapq.heappush(heap, (-g.values[child], next(order), child))
+                slots[child] = Slot(growth.values[child], slot.depth + 1, float(slot.q[growth.tokens[child]]))
+                heapq.heappush(heap, (-growth.values[child], next(order), child))
 
     def _lacking(self, heap: list, slots: dict[int, Slot]) -> list[int]:
         """Up to batch - 1 of the best heap entries whose q is still unknown (fed along in the same forward)."""
@@ -231,88 +235,89 @@ class DySpecDrafter(BatchAware):
 
     # -------------------------------------------------------- §5.2: threshold, layer by layer
 
-    def _grow_layers(self, g: Growth, root: Slot, cfg: SamplingConfig,
+    def _grow_layers(self, growth: Growth, root: Slot, cfg: SamplingConfig,
                      generator: torch.Generator | None) -> Generator[Any, Any, None]:
         """Alg. 2: per depth, draw from the layer's nodes while the draw value is >= t, then feed the new nodes
         that will draw (value >= t, depth left) in one batched draft forward."""
         layer = {-1: root}
         while layer:
-            new = self._draw_layer(g, layer, cfg, generator)
+            new = self._draw_layer(growth, layer, cfg, generator)
             expand = {c: s for c, s in new.items() if s.depth < self.opts.depth and s.v >= self.t}
-            if not expand or len(g) >= self.opts.cap or not (yield from self._layer_pays(g, expand)):
+            if not expand or len(growth) >= self.opts.cap or not (yield from self._layer_pays(growth, expand)):
                 return
-            yield from self._fetch(g, list(expand), expand, cfg)
+            yield from self._fetch(growth, list(expand), expand, cfg)
             layer = expand
 
-    def _draw_layer(self, g: Growth, layer: dict[int, Slot], cfg: SamplingConfig,
+    def _draw_layer(self, growth: Growth, layer: dict[int, Slot], cfg: SamplingConfig,
                     generator: torch.Generator | None) -> dict[int, Slot]:
         """The draws of one depth, best draw value first across the layer's nodes; the new children's slots."""
         order = itertools.count()
         heap = [(-s.draw_value(), next(order), u) for u, s in layer.items()]
         heapq.heapify(heap)
         new: dict[int, Slot] = {}
-        while heap and len(g) < self.opts.cap:
-            negv, _, u = heapq.heappop(heap)
+        while heap and len(growth) < self.opts.cap:
+            neg_value, _, u = heapq.heappop(heap)
             slot = layer[u]
-            if -negv < self.t or not self._draw_pays(g, slot):
+            if -neg_value < self.t or not self._draw_pays(growth, slot):
                 break
-            child = g.draw(u, slot, cfg.greedy, generator)
-            new[child] = Slot(g.values[child], slot.depth + 1, float(slot.q[g.tokens[child]]))
+            child = growth.draw(u, slot, cfg.greedy, generator)
+            new[child] = Slot(growth.values[child], slot.depth + 1, float(slot.q[growth.tokens[child]]))
             if float(slot.r.sum()) > 0:
                 heapq.heappush(heap, (-slot.draw_value(), next(order), u))
         return new
 
     # -------------------------------------------------------- draft forwards and the auto budget
 
-    def _fetch(self, g: Growth, nodes: list[int], slots: dict[int, Slot],
+    def _fetch(self, growth: Growth, nodes: list[int], slots: dict[int, Slot],
                cfg: SamplingConfig) -> Generator[Any, Any, None]:
         """One batched draft forward over `nodes` (each a drafted node whose parent was fed): their q."""
-        parent_rows = [g.rows.get(g.parents[n], -1) for n in nodes]
-        g.draft_s += self._t_draft(len(nodes))
-        self._publish(g)  # in a batch the other requests take their turns while this forward waits for theirs
-        logits, rows = yield from feed(self.model, self.cache, [g.tokens[n] for n in nodes], parent_rows)
+        parent_rows = [growth.rows.get(growth.parents[n], -1) for n in nodes]
+        growth.draft_s += self._t_draft(len(nodes))
+        self._publish(growth)  # in a batch the other requests take their turns while this forward waits for theirs
+        logits, rows = yield from feed(self.model, self.cache, [growth.tokens[n] for n in nodes], parent_rows)
         self.forwards += 1
         for i, n in enumerate(nodes):
-            g.rows[n] = rows[i]
+            growth.rows[n] = rows[i]
             slots[n].fill(value_distribution(logits[i], cfg, self.opts.temperature))
 
     def _t_draft(self, rows: int) -> float:  # a draft forward of `rows` rows alone (`settle` prices shared rounds)
         return self.cost.t_draft(rows) if self.cost is not None else 0.0
 
-    def _publish(self, g: Growth, grown: bool = False) -> None:
+    def _publish(self, growth: Growth, grown: bool = False) -> None:
         """Tell the batch this request's rows and expected tokens: the tree so far, at least its last tree's until
         it is `grown` (so that the requests after it do not take it for a root it will outgrow)."""
         if self.ledger is not None:
-            rows, tokens = 1 + len(g), 1 + sum(g.values)
+            rows, tokens = 1 + len(growth), 1 + sum(growth.values)
             if not grown:
                 rows, tokens = max(rows, self.estimate[0]), max(tokens, self.estimate[1])
             self.ledger.publish(rows, tokens)
 
-    def _draw_pays(self, g: Growth, slot: Slot) -> bool:
+    def _draw_pays(self, growth: Growth, slot: Slot) -> bool:
         """auto: is the next draw worth its target time? Its expected value is known before the draw (with an
         unknown q, the node's own confidence stands in for it and the draft forward is charged)."""
-        if not self.auto or not len(g):
+        if not self.auto or not len(growth):
             return True  # a fixed budget; or the first draw, which speculation always makes
         if slot.r is None:
-            return worth(self.cost, len(g), sum(g.values), g.draft_s, slot.v * slot.conf, 1, self._t_draft(1),
-                         self.ledger)
-        return worth(self.cost, len(g), sum(g.values), g.draft_s, expected_gain(slot.v, slot.r), batch=self.ledger)
+            return worth(self.cost, len(growth), sum(growth.values), growth.draft_s, slot.v * slot.conf, 1,
+                         self._t_draft(1), self.ledger)
+        return worth(self.cost, len(growth), sum(growth.values), growth.draft_s, expected_gain(slot.v, slot.r),
+                     batch=self.ledger)
 
-    def _layer_pays(self, g: Growth, expand: dict[int, Slot]) -> Generator[Any, Any, bool]:
+    def _layer_pays(self, growth: Growth, expand: dict[int, Slot]) -> Generator[Any, Any, bool]:
         """auto: is one more depth worth a draft forward over `expand`? Each fed node's first draw is estimated
         at v(u) · q(u's token) (the draft's confidence persists)."""
         if not self.auto:
             return True
-        return (yield from self._round_pays(g, sum(s.v * s.conf for s in expand.values()), len(expand),
+        return (yield from self._round_pays(growth, sum(s.v * s.conf for s in expand.values()), len(expand),
                                             len(expand)))
 
-    def _round_pays(self, g: Growth, gain: float, nodes: int, draft_rows: int,
+    def _round_pays(self, growth: Growth, gain: float, nodes: int, draft_rows: int,
                     once: float = 0.0) -> Generator[Any, Any, bool]:
         """Does a draft forward of `draft_rows` rows (and `once` seconds charged this step) adding `nodes` nodes worth
         `gain` pay? In a batch all bids for a round are weighed together, the round priced once (`settle`)."""
         if self.ledger is not None:
-            self._publish(g, grown=True)  # what it commits to now, for the joint weighing
+            self._publish(growth, grown=True)  # what it commits to now, for the joint weighing
             if (joint := (yield from self.ledger.round(self.cost, gain, nodes, draft_rows, once))) is not None:
                 return joint
-        return worth(self.cost, len(g), sum(g.values), g.draft_s, gain, nodes, self._t_draft(draft_rows) + once,
-                     self.ledger)
+        return worth(self.cost, len(growth), sum(growth.values), growth.draft_s, gain, nodes,
+                     self._t_draft(draft_rows) + once, self.ledger)

@@ -7,12 +7,13 @@ expected rate, j = 0 (plain decoding) included, under the acceptance measured so
     rate(j) = (1 + a + a^2 + ... + a^j) / t_target(j + 1)      a = P(a copied token is accepted | the ones before)
 
 a is a Beta estimate from the copied tokens that reached verification, kept apart per length of the matched n-gram
-(a 3-gram's copy is far likelier right than a 1-gram's), from a prior of that length's (PRIOR: means 0.3, 0.5, 0.8
-after 1, 2, 3+ tokens, the acceptance replayed on plain answers, docs/bench/cpu-suffix/ngram); its counts decay by
+(a 3-gram's copy is far likelier right than a 1-gram's), from a prior of that length's (PRIOR, lower after shorter
+matches: data/priors.json "ngram.prior" says how it was chosen, docs/bench/cpu-suffix/ngram); its counts decay by
 DECAY at every step it is not tried for its own acceptance, so a length given up on is tried again later. On a
-flat curve (fp32 torch) the whole continuation pays; on llama.cpp's (t(2) = 1.6 t(1)) only confident copies do. In
-a batch the rate is the batch step's (core/goodput.best_prefix: the other requests' tokens and rows join both sides).
-t_target follows the target's calls as they are timed (runtime/cost.Measured), but for a seeded sampled request."""
+flat curve (fp32 torch) the whole continuation pays; on llama.cpp's steep one (a second row costs a good part of a
+first: docs/algorithms.md §15) only confident copies do. In a batch the rate is the batch step's
+(core/goodput.best_prefix: the other requests' tokens and rows join both sides). t_target follows the target's calls
+as they are timed (runtime/cost.Measured), but for a seeded sampled request."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from speculor.config import SamplingConfig, check_int
+from speculor.core import priors
 from speculor.core.goodput import Costs, best_prefix
 from speculor.core.tree import DraftTree, merge
 from speculor.core.verify import Verdict
@@ -69,8 +71,9 @@ class NgramIndex:
         return out
 
 
-# Beta priors of the acceptance after a match of 1, 2, 3+ tokens, 2 pseudo-tokens each (means 0.3, 0.5, 0.8)
-PRIOR = ((0.6, 1.4), (1.0, 1.0), (1.6, 0.4))
+# Beta (hit, miss) priors of the acceptance after a match of 1, 2, 3+ tokens, 2 pseudo-tokens each; their value and how
+# they were chosen: data/priors.json "ngram.prior"
+PRIOR = priors.value("ngram.prior")
 DECAY = 0.9  # counts of a matched length kept at each step it is not tried
 
 
@@ -87,46 +90,47 @@ class NgramDrafter(BatchAware):
         self.price = cost  # the curve of this step's cut (`steady`: the profile alone for a seeded sampled request)
         # auto: per matched length m, copied tokens that reached verification and tokens accepted
         self.reached, self.accepted = [0.0] * (n + 1), [0.0] * (n + 1)
-        self.cut, self.m = k, 0
+        self.cut, self.matched = k, 0  # the last step's cut, and the length of the n-gram its copy was found by
         self.index = NgramIndex(n)
         self.batch_aware = cost is not None
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         found = self.index.matches(seq, self.k, self.branches)
         conts = [c for _, c in found]
+        self.matched = found[0][0] if found else 0
         if self.cost is not None:
-            self.m = found[0][0] if found else 0
             longest = max((len(c) for c in conts), default=0)
             self.price = steady(self.cost, cfg.seed is not None and not cfg.greedy)
             self.cut = self._best_cut(longest, self.ledger)
             conts = [c[:self.cut] for c in conts if self.cut]
-            if not self.cut and self.m and (self.ledger is None or not self._best_cut(longest)):
+            if not self.cut and self.matched and (self.ledger is None or not self._best_cut(longest)):
                 # not tried for its own acceptance (not for the batch's load): what was learned at this length fades
-                self.reached[self.m] *= DECAY
-                self.accepted[self.m] *= DECAY
+                self.reached[self.matched] *= DECAY
+                self.accepted[self.matched] *= DECAY
         chains = [DraftTree.chain(c, draw="point") for c in conts]
         self.stats = {"cut": self.cut} if self.cost is not None else None
         tree = merge(chains).tree
-        self.expected_tokens = 1.0 + sum(self._a() ** j for j in range(1, self.cut + 1)) if conts and self.cost else 1.0
+        self.expected_tokens = (1.0 + sum(self._acceptance() ** j for j in range(1, self.cut + 1))
+                                if conts and self.cost else 1.0)
         self.estimate = (1 + len(tree), self.expected_tokens)
         if self.ledger is not None:  # the requests after it in the batch see this tree
             self.ledger.publish(*self.estimate)
         return tree
         yield  # asks for nothing
 
-    def _a(self) -> float:
+    def _acceptance(self) -> float:
         """The acceptance estimate after a match of length m (module docstring)."""
-        hit, miss = PRIOR[min(max(self.m, 1), len(PRIOR)) - 1]
-        return (self.accepted[self.m] + hit) / (self.reached[self.m] + hit + miss)
+        hit, miss = PRIOR[min(max(self.matched, 1), len(PRIOR)) - 1]
+        return (self.accepted[self.matched] + hit) / (self.reached[self.matched] + hit + miss)
 
     def _best_cut(self, longest: int, batch: BatchLedger | None = None) -> int:
         """The continuation length with the best expected rate (module docstring), 0 = none; a step's of `batch`."""
-        a = self._a()
+        a = self._acceptance()
         return best_prefix(self.price, (a**j for j in range(1, longest + 1)), batch)
 
     def observe(self, n_committed: int, verdict: Verdict) -> None:
         if self.cost is None:
             return
         got = len(verdict.path)
-        self.reached[self.m] += min(self.cut, got + 1)  # a token reaches verification iff the ones before passed
-        self.accepted[self.m] += min(self.cut, got)
+        self.reached[self.matched] += min(self.cut, got + 1)  # a token reaches verification iff the ones before passed
+        self.accepted[self.matched] += min(self.cut, got)

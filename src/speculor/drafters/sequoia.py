@@ -205,7 +205,7 @@ class SequoiaPlans:
         """
         if ledger.filling:  # prompt chunks in the step: drafting would hold up their requests (dynamic_tree.py)
             return None
-        t_o, r_o, d_o = goodput.others(ledger, self.cost)
+        t_o, r_o, d_o = goodput.rest_of_batch(ledger, self.cost)
         best, best_rate = None, margin * goodput.rate(self.cost, t_o + 1, r_o + 1, d_o)
         for c in self.choices(cfg):  # draft(T) as alone: a shared round is mostly paid whoever drafts (dynamic_tree.py)
             draft_s = c.step_s - self.cost.t_target(c.n)

@@ -75,8 +75,9 @@ class AcceptanceHead(torch.nn.Module):
 
     (The SpecDec++ code repeats one block L times, i.e. shares the weights; here each block has its own.)
     mu and sigma [H] are fixed buffers, the per-feature mean and std of the training inputs (0 and 1 until set):
-    Qwen's last hidden state has features with std from 0.15 to 30, and on raw inputs the few large ones drive
-    the head into confident, badly generalising predictions (held-out loss above a constant predictor's).
+    Qwen's last hidden state has features of very different scales (docs/algorithms.md §7), and on raw inputs the
+    few large ones drive the head into confident, badly generalising predictions (held-out loss above a constant
+    predictor's).
     """
 
     def __init__(self, cfg: HeadConfig) -> None:
@@ -98,7 +99,8 @@ class AcceptanceHead(torch.nn.Module):
         return torch.softmax(self(hidden.float()), dim=-1)[..., 1]
 
 
-FP32_KEYS = ("mu", "sigma")  # kept in fp32: a feature's mean can be ~100 with a std of ~0.2
+FP32_KEYS = ("mu", "sigma")  # kept in fp32: (h - mu) / sigma magnifies mu's rounding where a mean is large against its
+# std (docs/algorithms.md §7)
 
 
 def save_head(head: AcceptanceHead, path: Path, record: dict[str, Any]) -> None:

@@ -24,9 +24,9 @@ Tree size:
                     v_i is never above its parent's; trust(m, d) = (accepted + PRIOR · τ₀(m, d)) / (Σ P drafted +
                     PRIOR) over the nodes at a depth in d's class (DEPTH_EDGES) of earlier drafts after a match
                     whose length is in m's bucket (MATCH_EDGES): how far the counts over- or under-state what the
-                    target accepts, from the prior TRUST_0 (τ₀; a 1-token match on chat or code is followed a third
-                    of the time its counts say, a 9-token one nearly always, deeper nodes less) until something was
-                    verified there.
+                    target accepts, from the prior TRUST_0 (τ₀, data/priors.json and docs/algorithms.md §15: short
+                    matches are followed far less often than their counts say, long ones nearly as often, deeper
+                    nodes less) until something was verified there.
                     Learned online by the strategy, across its requests (a seeded sampled request learns its own, as
                     it reads its own trie, from the same prior: its tree still follows from its seed); both sums of a
                     bucket fade by DECAY at each step that has a match in it and drafts nothing, so a bucket given up
@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
+from speculor.core import priors
 from speculor.core.goodput import Costs, best_prefix
 from speculor.core.suffix import NOTHING, Candidate, SuffixCache, SuffixTrie
 from speculor.core.tree import EMPTY, DraftTree
@@ -67,11 +68,10 @@ PRIOR = 2.0  # pseudo-tokens of the prior trust TRUST_0: what steps say outweigh
 DECAY = 0.999  # what a bucket keeps of its sums at each step that matches in it and drafts nothing (half-life ~700)
 MATCH_EDGES = (1, 2, 3, 5, 9)  # lower edges of the match-length buckets the trust is learned in
 DEPTH_EDGES = (1, 2, 3, 5)  # ... and of the node depths within each
-# accepted / Σ P per bucket and depth, drafting at every match, replayed on plain answers of the embedded sets
-# (Spec-Bench's read alike over 1-4-token matches, lower deep after longer ones), the 5-8 row's depths 2+ raised
-# from 0.62, 0.55, 0.55 to where the copy sets keep drafting when shared (docs/bench/cpu-suffix/prior)
-TRUST_0 = ((0.35, 0.25, 0.2, 0.15), (0.45, 0.3, 0.25, 0.2), (0.6, 0.4, 0.35, 0.3), (0.8, 0.7, 0.65, 0.6),
-           (0.95, 0.9, 0.85, 0.8))
+# the prior trust τ₀ per match bucket (rows) and depth class (columns): accepted / Σ P of drafts made at every match,
+# replayed on plain answers; its value, the answers, machine and command it was fitted with, and what was set by
+# hand: data/priors.json "suffix.trust_0" (`speculor refit-priors` recomputes it)
+TRUST_0 = priors.value("suffix.trust_0")
 ON_OFF = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
 
 
@@ -119,7 +119,7 @@ class Trust:
         self.drafted = [[0.0] * len(DEPTH_EDGES) for _ in MATCH_EDGES]
 
     def of(self, match: int, depth: int = 1) -> float:
-        return self._row(match)[_level(depth)]
+        return self._row(match)[_depth_class(depth)]
 
     def _row(self, match: int) -> list[float]:
         """trust(m, d) for every depth class d."""
@@ -131,7 +131,7 @@ class Trust:
         """v_i = min(1, trust(m, depth_i) · P_i), never above its parent's (a node is accepted only after it)."""
         row, v = self._row(c.match), []
         for p, parent, depth in zip(c.probs, c.parents, c.depths, strict=True):
-            x = min(1.0, row[_level(depth)] * p)
+            x = min(1.0, row[_depth_class(depth)] * p)
             v.append(x if parent < 0 else min(x, v[parent]))
         return v
 
@@ -139,7 +139,7 @@ class Trust:
         """A verified tree: each node's P drafted at its depth, accepted where it is on the path."""
         b, on = _bucket(c.match), set(path)
         for i, (p, depth) in enumerate(zip(c.probs, c.depths, strict=True)):
-            d = _level(depth)
+            d = _depth_class(depth)
             self.drafted[b][d] += p
             self.accepted[b][d] += i in on
 
@@ -153,7 +153,7 @@ def _bucket(match: int) -> int:
     return max(0, bisect_right(MATCH_EDGES, match) - 1)
 
 
-def _level(depth: int) -> int:
+def _depth_class(depth: int) -> int:
     return bisect_right(DEPTH_EDGES, depth) - 1
 
 
@@ -204,11 +204,11 @@ class SuffixDrafter(BatchAware):
 
     def propose(self, seq: list[int], cfg: SamplingConfig, generator: torch.Generator | None) -> Proposal:
         self._index(seq[self.known:], output=self.known > 0)
-        o = self.opts
-        own = self.trie.propose(seq, o.cap, o.min_prob, o.max_spec_factor)
+        opts = self.opts
+        own = self.trie.propose(seq, opts.cap, opts.min_prob, opts.max_spec_factor)
         alone = cfg.seed is not None and not cfg.greedy  # module docstring
-        other = NOTHING if self.cache is None or alone else self.cache.propose(seq, o.cap, o.min_prob,
-                                                                                o.max_spec_factor)
+        other = NOTHING if self.cache is None or alone else self.cache.propose(seq, opts.cap, opts.min_prob,
+                                                                                opts.max_spec_factor)
         best = other if other.match > own.match else own
         self.trust = self.own_trust if alone else self.shared_trust
         self.price = steady(self.cost, alone)

@@ -12,16 +12,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from speculor.config import SamplingConfig
-from speculor.core import goodput
+from speculor.core import goodput, priors
 from speculor.core.sampling import check_finite, sample, warp
 from speculor.core.tree import DraftTree
 from speculor.drafters.base import BatchLedger
 from speculor.runtime.cost import CostModel
 
 # At temperature 0 the values come from softmax(logits / GREEDY_VALUE_TEMPERATURE): greedy matching accepts the
-# draft's top token more often, and its runners-up less often, than softmax at temperature 1 says
-# (docs/bench/README.md, "DySpec's value temperature").
-GREEDY_VALUE_TEMPERATURE = 0.5
+# draft's top token more often, and its runners-up less often, than softmax at temperature 1 says. Its value and the
+# bench it was picked on: data/priors.json "dyspec.greedy_value_temperature" (docs/bench/README.md, "DySpec's value
+# temperature").
+GREEDY_VALUE_TEMPERATURE = priors.value("dyspec.greedy_value_temperature")
 
 
 def value_distribution(logits: torch.Tensor, cfg: SamplingConfig, temperature: float | None) -> torch.Tensor:
@@ -66,7 +67,7 @@ def worth(cost: CostModel, n: int, value_sum: float, draft_s: float, gain: float
     seconds D_o and target rows R_o join both sides, so one more row must pay for the whole batch's forward
     growing, and at high load nothing does.
     """
-    t_o, r_o, d_o = goodput.others(batch, cost)
+    t_o, r_o, d_o = goodput.rest_of_batch(batch, cost)
     now = goodput.rate(cost, t_o + 1 + value_sum, r_o + n + 1, d_o + draft_s)
     then = goodput.rate(cost, t_o + 1 + value_sum + gain, r_o + n + extra_nodes + 1, d_o + draft_s + extra_draft_s)
     return then > now

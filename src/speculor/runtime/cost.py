@@ -83,8 +83,8 @@ class CallTimes:
     """Seconds of a backend's calls by their rows, 1..limit (llama.cpp's exact calls), as moving averages: each call
     moves its size's estimate c(k) by ALPHA. `ratio(k)`, once both sizes were timed SEEN times, is a moving average of
     each k-row call over c(1) as it stood then, not c(k) / c(1): a call's time grows with the context it attends to
-    (t(1) 37 ms at 100 tokens, 63 ms at 2,000 on the embedded target), and c(k) of rarer multi-row calls would be
-    read against one-row calls made at another length (docs/bench/cpu-never-slower/probe_context.py)."""
+    (docs/algorithms.md §11.1), and c(k) of rarer multi-row calls would be read against one-row calls made at another
+    length."""
 
     ALPHA = 0.1
     SEEN = 4
@@ -137,7 +137,7 @@ def steady(cost: CostModel | Measured | None, seeded: bool) -> CostModel | Measu
     return cost.fixed if seeded and isinstance(cost, Measured) else cost
 
 
-@lru_cache(maxsize=1 << 16)  # the budgets ask for the same few sizes every step (np.interp over tuples: ~10 us a call)
+@lru_cache(maxsize=1 << 16)  # the budgets ask for the same few sizes every step (np.interp's cost: algorithms.md §11.1)
 def _interp(x: float, xs: tuple[int, ...], ys: tuple[float, ...]) -> float:
     """Piecewise-linear interpolation; linear extrapolation from the last two points beyond the largest x."""
     if len(xs) >= 2 and x > xs[-1]:

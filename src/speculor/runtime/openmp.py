@@ -3,11 +3,11 @@
 ggml's CPU backend computes a graph in one OpenMP team and meets at an OpenMP barrier after every op (hundreds a
 token); torch's intra-op parallelism runs in OpenMP teams too. One libgomp serves both in a process (torch's bundled
 copy and llama.cpp's dependency have one soname: the first loaded is the one). It keeps a team for every thread that
-ever started one, and once the teams' threads outnumber the cores it spins only ~100 times at a barrier before
-sleeping on a futex. A thread that decodes after another has decoded (a server's worker after the thread that loaded
-and warmed the models) then pays a wake-up at every op: on two cores with two threads, 1.2-1.4x the time per token
-(docs/bench/cpu-room/openmp/). A thread that hands decoding to another calls `release()` when it is done; its team
-comes back (one thread made) if it computes again.
+ever started one, and once the teams' threads outnumber the cores it spins only briefly at a barrier before sleeping
+on a futex. A thread that decodes after another has decoded (a server's worker after the thread that loaded and
+warmed the models) then pays a wake-up at every op, a slower token (measured in docs/bench/cpu-room/openmp/). A
+thread that hands decoding to another calls `release()` when it is done; its team comes back (one thread made) if it
+computes again.
 """
 
 from __future__ import annotations
