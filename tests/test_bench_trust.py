@@ -20,7 +20,8 @@ from speculor.bench import run as bench
 from speculor.bench.checks import check, predicted_speedup, start_warnings, timed_note
 from speculor.bench.prompts import Prompt
 from speculor.bench.summary import summarize
-from speculor.runtime.cost import CallTimes, CostModel
+from speculor.runtime.call_times import CallTimes
+from speculor.runtime.cost import CostModel
 
 # t_target: 1.0 s for one row, 1.2 for 2-4, 1.5 for 8; t_draft 0.1 s a row-block
 COST = CostModel((1, 2, 4, 8), (1.0, 1.2, 1.2, 1.5), (1, 2, 4, 8), (0.1, 0.12, 0.15, 0.2))

@@ -18,8 +18,9 @@ from speculor.drafters.ngram import NgramDrafter
 from speculor.engine.drafting import drive
 from speculor.runtime import cost as cost_module
 from speculor.runtime import profiling
+from speculor.runtime.call_times import CallTimes
 from speculor.runtime.choice import acceptance, predicted
-from speculor.runtime.cost import CallTimes, CostModel, Measured, steady
+from speculor.runtime.cost import CostModel, Measured, steady
 
 N = tuple(range(1, 17))
 FLAT = CostModel(N, tuple(0.5 + 0.01 * n for n in N), N, tuple(0.05 + 0.003 * n for n in N))

@@ -1,6 +1,7 @@
 """The package layout keeps its promises: strategies do not import each other (every registered one checked), the
 decoding path loads no training, plotting or benchmark code, layers import downwards only, nothing below the command
-line imports it, runtime/'s imports have no cycle, and no source file grows past ~400 lines."""
+line imports it, the modules of runtime/ and engine/ import one another one way only (type-only imports counted),
+and no function grows past MAX_FUNCTION lines."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "speculor"
 STRATEGIES = ["chain", "dyspec", "eagle", "gsd", "ngram", "sequoia", "specdecpp", "specinfer", "suffix", "topk_tree"]
 # a module may import from its own layer and the layers below it (config and errors are at the bottom)
 LAYERS = ["core", "runtime", "drafters", "engine", "api", "methods", "serving", "bench"]  # api: the module api.py
+MAX_FUNCTION = 60  # lines of a function or method, decorators and docstring included
 
 
 def speculor_imports(path: Path, type_checking: bool = True) -> set[str]:
@@ -60,9 +62,23 @@ def test_decoding_path_loads_no_offline_code():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-def test_no_source_file_is_long():
-    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 420}
-    assert not long
+def long_functions(root: Path, limit: int = MAX_FUNCTION) -> dict[str, int]:
+    """Every function or method under `root` longer than `limit` lines: {"path:name": lines}."""
+    out = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if (n := node.end_lineno - first + 1) > limit:
+                    out[f"{path.relative_to(root)}:{node.name}"] = n
+    return out
+
+
+def test_no_function_is_long(tmp_path):
+    """No function of the package is longer than MAX_FUNCTION lines; the check sees a long one (negative control)."""
+    assert not long_functions(SRC)
+    (tmp_path / "m.py").write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION)
+    assert long_functions(tmp_path) == {"m.py:f": MAX_FUNCTION + 1}
 
 
 def test_every_registered_strategy_with_a_module_is_checked():
@@ -88,21 +104,51 @@ def test_nothing_below_the_command_line_imports_it():
         assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"
 
 
-def test_runtime_imports_have_no_cycle():
-    """runtime/'s modules import one another one way only (imports inside functions count; those under `if
-    TYPE_CHECKING:` do not, as they never run)."""
-    modules = {p.stem for p in (SRC / "runtime").glob("*.py")} - {"__init__"}
-    graph = {m: {n.split(".")[2] for n in speculor_imports(SRC / "runtime" / f"{m}.py", type_checking=False)
-                 if n.startswith("speculor.runtime.") and n.split(".")[2] in modules} - {m} for m in modules}
+def import_cycle(package: Path) -> list[str] | None:
+    """An import cycle among the modules of `package` (its subpackages' included, a package standing for its
+    __init__), counting imports inside functions and under `if TYPE_CHECKING:`; None where there is none."""
+    name = "speculor." + ".".join(package.relative_to(SRC).parts)
+    modules = {name + "." + ".".join(p.relative_to(package).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in package.rglob("*.py")}
+    modules[name] = modules.pop(name + ".__init__", package / "__init__.py")
+
+    def target(m: str) -> str | None:  # the package module an import names (`from x import y`: y where a module)
+        while m and m not in modules:
+            m = m.rpartition(".")[0]
+        return m or None
+
+    graph = {m: {t for n in speculor_imports(p) if (t := target(n)) and t != m} if p.exists() else set()
+             for m, p in modules.items()}
     done: set[str] = set()
 
-    def visit(m: str, path: list[str]) -> None:
+    def visit(m: str, path: list[str]) -> list[str] | None:
         if m in path:
-            raise AssertionError(f"runtime/ import cycle: {' -> '.join(path[path.index(m):] + [m])}")
-        if m not in done:
-            for n in sorted(graph[m]):
-                visit(n, path + [m])
-            done.add(m)
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        for n in sorted(graph[m]):
+            if cycle := visit(n, path + [m]):
+                return cycle
+        done.add(m)
+        return None
 
-    for m in sorted(graph):
-        visit(m, [])
+    return next((c for m in sorted(graph) if (c := visit(m, []))), None)
+
+
+@pytest.mark.parametrize("package", ["runtime", "engine"])
+def test_imports_have_no_cycle(package):
+    """runtime/'s and engine/'s modules import one another one way only, type-only imports included."""
+    cycle = import_cycle(SRC / package)
+    assert cycle is None, f"{package}/ import cycle: {' -> '.join(cycle)}"
+
+
+def test_a_cycle_through_a_type_only_import_is_seen(tmp_path, monkeypatch):
+    """Negative control: two modules that import each other, one of them only under TYPE_CHECKING."""
+    pkg = tmp_path / "speculor" / "fake"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("from speculor.fake.b import B\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from speculor.fake.a import A\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path / "speculor")
+    assert import_cycle(pkg) in (["speculor.fake.a", "speculor.fake.b", "speculor.fake.a"],
+                                 ["speculor.fake.b", "speculor.fake.a", "speculor.fake.b"])

@@ -47,8 +47,8 @@ def test_tree_in_one_forward_equals_each_path_alone(draft):
 
 
 def test_calls_are_timed_by_their_rows(draft):
-    """runtime/cost.CallTimes: each exact call's seconds under its rows; a prompt's calls (its own context) are not
-    a tree's and are not counted."""
+    """runtime/call_times.CallTimes: each exact call's seconds under its rows; a prompt's calls (its own context) are
+    not a tree's and are not counted."""
     calls, before = draft.call_times, list(draft.call_times.n)
     cache = prefilled(draft, PROMPT[:-1])
     assert calls.n == before

@@ -32,7 +32,8 @@ from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
 from speculor.drafters import lookup, suffix
 from speculor.drafters.base import Shared
-from speculor.runtime.cost import CallTimes, CostModel, Measured
+from speculor.runtime.call_times import CallTimes
+from speculor.runtime.cost import CostModel, Measured
 
 COST = os.environ.get("COST") or next(
     (Path.home() / ".cache/speculor/sequoia").glob("cost--qwen2.5-coder-1.5b-instruct--*b9efb519b46c.json")

@@ -136,7 +136,25 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="speculor", description="Lossless speculative decoding with token trees.")
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    b = sub.add_parser("bench", help="benchmark strategies against plain decoding on real prompts")
+    add_bench_arguments(b)
+    _add_model_args(b)
+    _add_calibrate_parser(sub)
+    _add_profile_parser(sub)
+    _add_train_head_parser(sub)
+    _add_boost_tune_parser(sub)
+    _add_tune_threshold_parser(sub)
+    _add_refit_priors_parser(sub)
+    sub.add_parser("fetch-models", help="download and convert the embedded model pair and prompt sets")
+    _add_serve_parser(sub)
+    _add_loadtest_parser(sub)
+    _add_toolbench_parser(sub)
+    return ap
 
+
+def _add_generate_parser(sub) -> None:
+    """`speculor generate`."""
     g = sub.add_parser("generate", help="generate text for one prompt, streaming it")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -160,10 +178,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g)
 
-    b = sub.add_parser("bench", help="benchmark strategies against plain decoding on real prompts")
-    add_bench_arguments(b)
-    _add_model_args(b)
 
+def _add_calibrate_parser(sub) -> None:
+    """`speculor calibrate`."""
     c = sub.add_parser("calibrate", help="measure Sequoia's acceptance vector for a model pair (cached)")
     c.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy matching of top-W")
     c.add_argument("--top-p", type=float, default=1.0)
@@ -175,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="JSON file (default: the cache, where `sequoia` looks)")
     _add_model_args(c)
 
+
+def _add_profile_parser(sub) -> None:
+    """`speculor profile`."""
     pr = sub.add_parser("profile", help="time target and draft forwards on this machine; show the auto tree")
     pr.add_argument("--repeats", type=int, default=3)
     pr.add_argument("--force", action="store_true", help="profile again even if a profile is cached")
@@ -183,13 +203,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--width", type=int, default=8)
     _add_model_args(pr)
 
-    _add_train_head_parser(sub)
-    _add_boost_tune_parser(sub)
-    _add_tune_threshold_parser(sub)
-    _add_refit_priors_parser(sub)
 
-    sub.add_parser("fetch-models", help="download and convert the embedded model pair and prompt sets")
-
+def _add_serve_parser(sub) -> None:
+    """`speculor serve`."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -199,6 +215,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(s)
     _add_ray_args(s)
 
+
+def _add_loadtest_parser(sub) -> None:
+    """`speculor loadtest`."""
     lt = sub.add_parser("loadtest", help="latency and throughput of a running server at several concurrencies")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
     lt.add_argument("--clients", default="1,4,16,32", help="comma-separated concurrencies, one round each")
@@ -221,6 +240,10 @@ def _parser() -> argparse.ArgumentParser:
                     "an embedded model's name or a .gguf file; give the target our server runs")
     lt.add_argument("--threads", type=int, default=None, help="the peer's -t and -tb (give our server's --threads; "
                     "default: this machine's CPU count)")
+
+
+def _add_toolbench_parser(sub) -> None:
+    """`speculor toolbench`."""
     tb = sub.add_parser("toolbench", help="tool calls (BFCL) and JSON schemas through speculor serve and llama-server")
     tb.add_argument("--sets", default="bfcl-simple,bfcl-multiple,bfcl-parallel,schema",
                     help="comma-separated: bfcl-simple, bfcl-multiple, bfcl-parallel, schema (bench/toolcalls.py)")
@@ -235,7 +258,6 @@ def _parser() -> argparse.ArgumentParser:
     tb.add_argument("--llama-server", default=None, metavar="PATH", help="llama-server's binary (default: the one "
                     "`make llama-server` built)")
     tb.add_argument("--out", default="runs/toolbench", help="folder for answers.jsonl, table.md and the logs")
-    return ap
 
 
 def _add_ray_args(s: argparse.ArgumentParser) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from speculor.runtime.cost import CallTimes, CostModel
+from speculor.runtime.call_times import CallTimes
+from speculor.runtime.cost import CostModel
 
 SIZES = tuple(range(1, 17))
 GENTLE = CostModel(SIZES, tuple(0.05 * (1 + 0.15 * (n - 1)) for n in SIZES), SIZES, tuple(0.0 for _ in SIZES))

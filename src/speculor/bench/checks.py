@@ -23,7 +23,8 @@ import math
 from typing import Any
 
 from speculor.bench.summary import by_round, tokens_per_s
-from speculor.runtime.cost import CallTimes, CostModel
+from speculor.runtime.call_times import CallTimes
+from speculor.runtime.cost import CostModel
 
 DISTURBED_CORES = 0.25  # mean cores used by other processes during a measurement
 PLAIN_DRIFT = 0.10  # max/min - 1 of plain's tokens/s between rounds

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from speculor.runtime.cache import KVCache
-    from speculor.runtime.cost import CallTimes
+    from speculor.runtime.call_times import CallTimes
 
 
 class Cache(Protocol):

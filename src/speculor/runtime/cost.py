@@ -5,7 +5,8 @@ threads, device, dtype and kernels it depends on: `machine_key`) and `cached_cos
 Measuring one is runtime/profiling.py's (`profile_cost`, and `machine_cost`: profile once where none is cached).
 Sequoia's and DySpec's `budget="auto"` (docs/algorithms.md §4.2, §5) size their trees with it. `CallTimes` and
 `Measured`: the profile's t_target corrected by the target's own calls as this process times them (the model-free
-drafts' cuts: the shape of t(n) moves with the machine's load, docs/algorithms.md §11.1).
+drafts' cuts: the shape of t(n) moves with the machine's load, docs/algorithms.md §11.1; `CallTimes` in
+runtime/call_times.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from speculor.core.sequoia_dp import feed_widths
 from speculor.runtime.assets import cache_dir, slug
 from speculor.runtime.backend import Pair
+from speculor.runtime.call_times import CallTimes
 
 
 @dataclass(frozen=True)
@@ -77,35 +79,6 @@ class CostModel:
     @staticmethod
     def load(path: Path) -> CostModel:
         return CostModel.from_json(path.read_text())
-
-
-class CallTimes:
-    """Seconds of a backend's calls by their rows, 1..limit (llama.cpp's exact calls), as moving averages: each call
-    moves its size's estimate c(k) by ALPHA. `ratio(k)`, once both sizes were timed SEEN times, is a moving average of
-    each k-row call over c(1) as it stood then, not c(k) / c(1): a call's time grows with the context it attends to
-    (docs/algorithms.md §11.1), and c(k) of rarer multi-row calls would be read against one-row calls made at another
-    length."""
-
-    ALPHA = 0.1
-    SEEN = 4
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.s, self.n = limit, [0.0] * (limit + 1), [0] * (limit + 1)
-        self.r = [0.0] * (limit + 1)  # ratio(k)'s moving average, k >= 2 (0: none yet)
-
-    def add(self, rows: int, seconds: float) -> None:
-        if not 1 <= rows <= self.limit:
-            return
-        if rows > 1 and self.n[1]:
-            x = seconds / self.s[1]
-            self.r[rows] = x if not self.r[rows] else self.r[rows] + self.ALPHA * (x - self.r[rows])
-        self.s[rows] = seconds if not self.n[rows] else self.s[rows] + self.ALPHA * (seconds - self.s[rows])
-        self.n[rows] += 1
-
-    def ratio(self, k: int) -> float | None:
-        if k == 1:
-            return 1.0
-        return self.r[k] if min(self.n[k], self.n[1]) >= self.SEEN and self.r[k] > 0 else None
 
 
 class Measured:

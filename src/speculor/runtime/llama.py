@@ -65,7 +65,7 @@ from speculor.runtime import llama_fill as fill
 from speculor.runtime import llama_padded as padded
 from speculor.runtime import llama_room as room
 from speculor.runtime.backend import Block, Rows, fit_vocab
-from speculor.runtime.cost import CallTimes
+from speculor.runtime.call_times import CallTimes
 from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama_cache import LlamaCache
 
