@@ -212,15 +212,15 @@ def _raising():
 FLAT = CostModel((1, 2, 64), (0.30, 0.33, 2.0), (1, 16, 64), (0.06, 0.09, 0.2))
 
 
-def test_a_seat_sees_the_others_rows_tokens_and_shared_draft_forwards() -> None:
+def test_a_plan_view_sees_the_others_rows_tokens_and_shared_draft_forwards() -> None:
     plan = BatchPlan(3)
     plan.drafted(0, 0, 4)
     plan.drafted(0, 1, 1)
-    seat = plan.seat(2)
+    seat = plan.view(2)
     assert seat.draft_rows == [5]
     assert seat.draft_s(FLAT.t_draft) == pytest.approx(FLAT.t_draft(5))  # one shared forward of 5 rows
     seat.publish(7, 3.5)
-    assert (plan.seat(0).rows, plan.seat(0).tokens) == (1 + 7, 1.0 + 3.5)
+    assert (plan.view(0).rows, plan.view(0).tokens) == (1 + 7, 1.0 + 3.5)
     assert BatchLedger().draft_s(FLAT.t_draft) == 0.0
 
 
@@ -267,7 +267,7 @@ def test_settle_prices_a_round_once_for_all_its_bids() -> None:
     bids = [drafting.RoundBid(plan, ROUNDS, 0.3, 1, 1) for _ in range(4)]
     assert drafting.settle(bids) == [True] * 4  # (4 + 1.2) / (36 ms + t(8)) beats 4 / t(4)
     # negative control: the same bid priced alone, as the request-by-request rule prices it, does not pay
-    assert not worth(ROUNDS, 0, 0.0, 0.0, 0.3, 1, ROUNDS.t_draft(1), plan.seat(0))
+    assert not worth(ROUNDS, 0, 0.0, 0.0, 0.3, 1, ROUNDS.t_draft(1), plan.view(0))
     assert drafting.settle(bids[:1]) == [False]  # one bid carries the whole round: it does not pay either
     assert drafting.settle([drafting.RoundBid(plan, ROUNDS, 0.02, 1, 1) for _ in range(4)]) == [False] * 4
 
@@ -285,7 +285,7 @@ def test_bids_of_a_round_are_settled_together_before_its_forward() -> None:
     """Proposals bid through their seats: each gets the joint answer; driven alone, or with joint=False, a bid is
     answered None (the drafter decides alone)."""
     plan = BatchPlan(3)
-    seats = [plan.seat(i) for i in range(3)]
+    seats = [plan.view(i) for i in range(3)]
     gains = [0.3, 0.3, 0.3]
     got = rounds([_bidder(s, g) for s, g in zip(seats, gains, strict=True)], apart=False)
     assert got == [True, True, True]

@@ -119,7 +119,7 @@ class Speculor:
         """Empty what the strategies built so far learned across requests (suffix's trie of outputs): the calls that
         follow start as on a fresh pair (a bench round)."""
         for strategy in self._strategies.values():
-            if hasattr(strategy, "forget"):
+            if strategy is not None:  # plain decoding has none
                 strategy.forget()
 
     def options_for(self, strategy: str | None, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -38,6 +38,7 @@ from speculor.runtime.backend import Backend, Block, Cache
 
 if TYPE_CHECKING:
     from speculor.runtime.cost import CostModel
+    from speculor.runtime.eagle_head import FeatureStore
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,12 +55,16 @@ Proposal = Generator[Any, Any, DraftTree]  # yields Forward (or a ledger's bid),
 class Drafter:
     """Per-request drafting state (module docstring). The engine reads these fields after each `propose`:
     forwards (draft forward passes of the step), expected_tokens (1 + Σ node values of the tree, 1 where unknown:
-    what the batch counts the request as) and stats (the drafter's own numbers of the step, or None)."""
+    what the batch counts the request as) and stats (the drafter's own numbers of the step, or None). A drafter
+    over the target's features (drafters/eagle.py, heads.py) has a `store` the target's forwards fill while it
+    `reads_features`."""
 
     forwards: int = 0
     expected_tokens: float = 1.0
     stats: dict[str, float] | None = None
     batch_aware: bool = False  # sizes its tree for the batch: see `BatchAware`
+    store: FeatureStore | None = None  # the target's features of the committed positions, None: it reads none
+    reads_features: bool = True  # with a store: whether the target's forwards still hand it their features
 
     def reset(self) -> None:
         pass
@@ -82,9 +87,12 @@ class BatchAware(Drafter):
 
 class Strategy(Protocol):
     """What a strategy shares across requests (module docstring); read-only while decoding, except what a strategy
-    learns from the requests' outputs (suffix's trie), which it empties on `forget()` where it has one."""
+    learns from the requests' outputs (suffix's trie), which it empties on `forget()` (a no-op where it learns
+    nothing)."""
 
     def drafter(self) -> Drafter: ...
+
+    def forget(self) -> None: ...
 
 
 @dataclass
@@ -93,7 +101,7 @@ class BatchLedger:
     rows (1 + tree size each, a prompt chunk's rows), expected tokens (1 + Σ node values each, 1 where unknown),
     their rows in each of the step's batched draft forwards, and `pending` requests counted as a root row and a
     token each; `filling`: some request's prompt chunk is in the step. The batched engine hands out a live one
-    (engine/drafting.py `Seat`) that the drafter tells how far its own tree has grown (`publish`); this one is
+    (engine/drafting.py `PlanView`) that the drafter tells how far its own tree has grown (`publish`); this one is
     fixed.
     """
 
@@ -128,6 +136,9 @@ class Shared:
 
     def drafter(self) -> Drafter:
         return self.make()
+
+    def forget(self) -> None:
+        """Nothing learned across requests."""
 
 
 def behind(cache: Cache, seq: list[int]) -> int:

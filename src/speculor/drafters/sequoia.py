@@ -224,6 +224,9 @@ class SequoiaPlans:
     def drafter(self) -> SequoiaDrafter:
         return SequoiaDrafter(self)
 
+    def forget(self) -> None:
+        """Nothing learned across requests (its plans follow from the acceptance vector and the cost curve)."""
+
 
 class SequoiaDrafter(BatchAware):
     """One request's Sequoia tree: children drawn without replacement (exponential keys) and verified with the

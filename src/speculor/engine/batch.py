@@ -11,7 +11,7 @@ the other rows (runtime/batched.py), and its random numbers come from its own ge
 would emit alone with the same trees. Requests join (`start`; with prefill=False their prompts are filled chunk by
 chunk inside the steps) and leave (`done`) between steps. A drafter that sizes its tree for the batch
 (drafters/base.py `BatchAware`) sees, while it proposes, what the other requests of the step have drafted so far,
-the prompt chunks included (`drafting.Seat`).
+the prompt chunks included (`drafting.PlanView`).
 """
 
 from __future__ import annotations

@@ -178,7 +178,8 @@ def _fast_forward(req: Request) -> DraftTree:
 def _proposal(req: Request, plan: BatchPlan | None, i: int) -> Proposal:
     """Request i's tree; a drafter that does not publish as it grows is entered in the plan once it is done."""
     tree = yield from req.drafter.propose(req.seq, req.cfg, req.generator)
-    if plan is not None and getattr(req.drafter, "ledger", None) is None:  # it did not publish as it grew
+    if plan is not None and not (isinstance(req.drafter, BatchAware) and req.drafter.ledger is not None):
+        # it did not publish as it grew
         plan.rows[i], plan.tokens[i] = 1 + len(tree), float(req.drafter.expected_tokens)
     return tree
 

@@ -125,7 +125,7 @@ def block(req: Request, tree: DraftTree) -> Block | None:
 
 def reads_features(req: Request) -> bool:
     """Whether the request's drafter reads the target's features (a `store`: drafters/eagle.py) and still will."""
-    return getattr(req.drafter, "store", None) is not None and getattr(req.drafter, "reads_features", True)
+    return req.drafter is not None and req.drafter.store is not None and req.drafter.reads_features
 
 
 def keep_features(req: Request, start: int, out: Rows, rows: list[int] | None = None) -> None:
