@@ -10,9 +10,9 @@ import pytest
 from support.costs import GENTLE, timed
 
 from speculor.config import SamplingConfig
+from speculor.core.goodput import BatchLedger
 from speculor.core.verify import Verdict
 from speculor.drafters import lookup
-from speculor.drafters.base import BatchLedger
 from speculor.drafters.dyspec import DySpecDrafter, DySpecOptions
 from speculor.drafters.ngram import NgramDrafter
 from speculor.engine.drafting import drive

@@ -21,10 +21,10 @@ from support.toy import N, V, exact_law, plain_greedy, random_toy
 import speculor.core.verify
 from speculor import engine
 from speculor.config import SamplingConfig
+from speculor.core.goodput import BatchLedger
 from speculor.core.suffix import Candidate, SuffixCache, SuffixTrie
 from speculor.core.verify import Verdict
 from speculor.drafters import suffix
-from speculor.drafters.base import BatchLedger
 from speculor.drafters.registry import make_strategy, options_of
 from speculor.drafters.suffix import PRIOR, TRUST_0, SuffixDrafter, SuffixOptions, SuffixStrategy
 from speculor.engine.drafting import drive

@@ -11,8 +11,9 @@ Pure: no model, no state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from speculor.core import priors
 
@@ -30,12 +31,45 @@ class Costs(Protocol):
     def t_draft(self, w: int) -> float: ...
 
 
+@dataclass
+class BatchLedger:
+    """What the other requests of a batched step commit the batch to, as one batch-aware drafter sees it: target
+    rows (1 + tree size each, a prompt chunk's rows), expected tokens (1 + Σ node values each, 1 where unknown),
+    their rows in each of the step's batched draft forwards, and `pending` requests counted as a root row and a
+    token each; `filling`: some request's prompt chunk is in the step. The batched engine hands out a live one
+    (engine/drafting.py `PlanView`) that the drafter tells how far its own tree has grown (`publish`); this one is
+    fixed.
+    """
+
+    rows: int = 0
+    tokens: float = 0.0
+    draft_rows: Sequence[int] = ()
+    pending: int = 0
+    filling: bool = False  # prompt chunks share the step: their requests wait for it, so nothing drafts
+
+    def publish(self, rows: int, tokens: float) -> None:
+        """The drafter's own tree so far: `rows` target rows (root included), `tokens` expected tokens."""
+
+    def draft_s(self, t_draft: Callable[[int], float]) -> float:
+        """Seconds of the others' draft forwards, t_draft(rows) each."""
+        return sum(t_draft(r) for r in self.draft_rows if r > 0)
+
+    def round(self, cost: Costs, gain: float, nodes: int, draft_rows: int,
+              once: float = 0.0) -> Generator[Any, Any, bool | None]:
+        """Joint decision on a draft forward of `draft_rows` rows (plus `once` seconds charged to this step) that
+        would add `nodes` target rows of expected value `gain`: the batched engine's `PlanView` yields it as a bid,
+        weighed with every other request's bid for the same draft round (engine/drafting.py `settle`). None here: a
+        fixed ledger has no round, the drafter decides alone."""
+        return None
+        yield  # a generator that asks nothing
+
+
 def rate(cost: Costs, tokens: float, rows: int, draft_s: float = 0.0) -> float:
     """Expected tokens per second of a step of `rows` target rows worth `tokens`, after `draft_s` of drafting."""
     return tokens / (draft_s + cost.t_target(rows))
 
 
-def best_prefix(cost: Costs, values: Iterable[float], batch: object | None = None) -> int:
+def best_prefix(cost: Costs, values: Iterable[float], batch: BatchLedger | None = None) -> int:
     """How many of a best-first list of draft tokens to verify, each worth `values[i]` expected tokens (its chance of
     acceptance): the n with the highest rate (1 + Σ_{i<n} v_i) / t_target(n + 1), 0 = none (ties: the longer).
     In a batch (a `BatchLedger`) the step is the batch's: the others' tokens T_o, rows R_o and draft seconds D_o
@@ -66,7 +100,7 @@ def chain_can_pay(cost: Costs, depth: int, margin: float) -> bool:
                > margin / cost.t_target(1) for k in range(1, depth + 1))
 
 
-def rest_of_batch(ledger: object | None, cost: Costs) -> tuple[float, int, float]:
+def rest_of_batch(ledger: BatchLedger | None, cost: Costs) -> tuple[float, int, float]:
     """(tokens, rows, draft seconds) the rest of the batch brings to the step (a `BatchLedger`; a request still to
     propose counts as its root: one row, one token); nothing when drafting alone."""
     if ledger is None:

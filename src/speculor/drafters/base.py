@@ -24,20 +24,20 @@ drawn from.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from speculor.config import SamplingConfig
+from speculor.core.goodput import BatchLedger
 from speculor.core.sampling import check_finite, greedy, sample, warp
 from speculor.core.tree import DraftTree
 from speculor.core.verify import Verdict
 from speculor.runtime.backend import Backend, Block, Cache
 
 if TYPE_CHECKING:
-    from speculor.runtime.cost import CostModel
     from speculor.runtime.eagle_head import FeatureStore
 
 
@@ -93,39 +93,6 @@ class Strategy(Protocol):
     def drafter(self) -> Drafter: ...
 
     def forget(self) -> None: ...
-
-
-@dataclass
-class BatchLedger:
-    """What the other requests of a batched step commit the batch to, as one batch-aware drafter sees it: target
-    rows (1 + tree size each, a prompt chunk's rows), expected tokens (1 + Σ node values each, 1 where unknown),
-    their rows in each of the step's batched draft forwards, and `pending` requests counted as a root row and a
-    token each; `filling`: some request's prompt chunk is in the step. The batched engine hands out a live one
-    (engine/drafting.py `PlanView`) that the drafter tells how far its own tree has grown (`publish`); this one is
-    fixed.
-    """
-
-    rows: int = 0
-    tokens: float = 0.0
-    draft_rows: Sequence[int] = ()
-    pending: int = 0
-    filling: bool = False  # prompt chunks share the step: their requests wait for it, so nothing drafts
-
-    def publish(self, rows: int, tokens: float) -> None:
-        """The drafter's own tree so far: `rows` target rows (root included), `tokens` expected tokens."""
-
-    def draft_s(self, t_draft: Callable[[int], float]) -> float:
-        """Seconds of the others' draft forwards, t_draft(rows) each."""
-        return sum(t_draft(r) for r in self.draft_rows if r > 0)
-
-    def round(self, cost: CostModel, gain: float, nodes: int, draft_rows: int,
-              once: float = 0.0) -> Generator[Any, Any, bool | None]:
-        """Joint decision on a draft forward of `draft_rows` rows (plus `once` seconds charged to this step) that
-        would add `nodes` target rows of expected value `gain`: the batched engine's seat yields it as a bid, weighed
-        with every other request's bid for the same draft round (engine/drafting.py `settle`). None here: a fixed
-        ledger has no round, the drafter decides alone."""
-        return None
-        yield  # a generator that asks nothing
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,10 @@ import torch
 
 from speculor.config import SamplingConfig, check_int, is_int, is_num
 from speculor.core import goodput, priors
-from speculor.core.goodput import MARGIN
+from speculor.core.goodput import MARGIN, BatchLedger
 from speculor.core.tree import EMPTY, DraftTree
 from speculor.core.verify import Verdict
-from speculor.drafters.base import BatchAware, BatchLedger, Proposal, behind, catch_up, feed, keep_fed_path
+from speculor.drafters.base import BatchAware, Proposal, behind, catch_up, feed, keep_fed_path
 from speculor.drafters.values import Growth, Slot, expected_gain, steer, value_distribution, worth
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Backend

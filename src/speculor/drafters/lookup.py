@@ -23,10 +23,10 @@ import torch
 
 from speculor.config import SamplingConfig, check_int
 from speculor.core import priors
-from speculor.core.goodput import Costs, best_prefix
+from speculor.core.goodput import BatchLedger, Costs, best_prefix
 from speculor.core.tree import DraftTree, merge
 from speculor.core.verify import Verdict
-from speculor.drafters.base import BatchAware, BatchLedger, Proposal
+from speculor.drafters.base import BatchAware, Proposal
 from speculor.runtime.cost import steady
 
 

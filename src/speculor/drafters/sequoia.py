@@ -21,11 +21,11 @@ import torch
 
 from speculor.config import SamplingConfig, check_int, is_int
 from speculor.core import goodput
-from speculor.core.goodput import MARGIN
+from speculor.core.goodput import MARGIN, BatchLedger
 from speculor.core.sequoia_dp import Choice, choose_tree, optimal_trees, tree_choices
 from speculor.core.tree import EMPTY
 from speculor.core.verify import Verdict
-from speculor.drafters.base import BatchAware, BatchLedger, Proposal
+from speculor.drafters.base import BatchAware, Proposal
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir, slug

@@ -13,9 +13,9 @@ import torch
 
 from speculor.config import SamplingConfig
 from speculor.core import goodput, priors
+from speculor.core.goodput import BatchLedger
 from speculor.core.sampling import check_finite, sample, warp
 from speculor.core.tree import DraftTree
-from speculor.drafters.base import BatchLedger
 from speculor.runtime.cost import CostModel
 
 # At temperature 0 the values come from softmax(logits / GREEDY_VALUE_TEMPERATURE): greedy matching accepts the

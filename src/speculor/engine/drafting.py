@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from speculor.core import goodput
+from speculor.core.goodput import BatchLedger
 from speculor.core.tree import EMPTY, DraftTree
-from speculor.drafters.base import BatchAware, BatchLedger, Forward, Proposal
+from speculor.drafters.base import BatchAware, Forward, Proposal
 from speculor.engine.request import Request
 
 if TYPE_CHECKING:
