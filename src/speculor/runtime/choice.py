@@ -112,7 +112,7 @@ def choose(target: str, draft: str | None, *, device: str, threads: int, only_to
 
 def measure(target: str, draft: str, *, device: str, threads: int) -> dict:
     """The record `choose` caches: the pair's acceptance and, per candidate, its predicted tokens/s and chain, each
-    candidate loaded (the other two stages, on the spec's default options) and released in turn."""
+    candidate loaded (plan, prepare and load, with PairSpec's default options) and released in turn."""
     a = acceptance(target, draft)
     record: dict = {"acceptance": a, "predicted": {}}
     for name in candidates(target, draft, device):
