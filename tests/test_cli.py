@@ -284,11 +284,11 @@ def test_the_arguments_reach_the_loader_as_a_pair_spec(monkeypatch) -> None:
     command without an option gets its default; it goes to `speculor.load_pair`, which chooses the backend."""
     import torch
 
-    from speculor.runtime import choice
-    from speculor.runtime.loading import PairSpec
+    from speculor.runtime import loading
+    from speculor.runtime.spec import PairSpec
 
     seen = []
-    monkeypatch.setattr(choice, "load_pair", seen.append)
+    monkeypatch.setattr(loading, "load_pair", seen.append)
     for device, dtype, expected in (("cpu", "auto", torch.float32), ("cuda", "auto", torch.bfloat16),
                                     ("cuda", "float32", torch.float32), ("cpu", "float16", torch.float16)):
         commands.load(types.SimpleNamespace(target="t", draft="d", device=device, dtype=dtype))

@@ -172,12 +172,12 @@ def test_ngram_prices_its_cut_by_the_timed_calls_unless_seeded():
 
 def test_auto_says_what_it_chose_and_measures_nothing_where_only_torch_runs(monkeypatch, capsys):
     """A GPU, a pair that is not GGUF or a torch-only option: torch at once, one stderr line saying why."""
-    from speculor.runtime import choice, loading
+    from speculor.runtime import choice
 
     def measured(*a, **k):
         raise AssertionError("nothing is loaded or measured")
 
-    monkeypatch.setattr(loading, "load_pair", measured)
+    monkeypatch.setattr(choice, "measure", measured)
     cases = [(("default", "default", "cuda"), {}, "--device cuda"),
              (("/models/target", "/models/draft", "cpu"), {}, "runs GGUF files"),
              (("default", "default", "cpu"), {"only_torch": "--draft-vocab restricts a torch draft's head"},
@@ -199,44 +199,54 @@ def test_auto_refuses_a_device_before_measuring(monkeypatch):
         speculor.load_pair(offload=True)  # the default backend, auto, on the CPU
 
 
-def test_auto_is_chosen_before_loading(monkeypatch):
-    """`speculor.load_pair` resolves "auto" (runtime/choice.py) and hands runtime/loading.py a concrete backend;
-    loading itself refuses "auto" (it never imports the choice)."""
+def test_auto_is_chosen_before_loading(monkeypatch, tmp_path):
+    """`speculor.load_pair` resolves "auto" first (runtime/resolve.py, with runtime/choice.py's choice) and hands the
+    plan, its backend concrete, to prepare and then to load, once each; no plan is made for "auto"."""
     import speculor
     from speculor.errors import SpeculorError
     from speculor.runtime import choice, loading
-    from speculor.runtime.loading import PairSpec
+    from speculor.runtime.plan import make_plan
+    from speculor.runtime.spec import PairSpec
 
-    loaded = []
+    gguf, folder = tmp_path / "t.gguf", tmp_path / "t"
+    gguf.write_bytes(b"GGUF")
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    stages = []
     monkeypatch.setattr(choice, "choose", lambda target, draft, **kw: "llama.cpp")
-    monkeypatch.setattr(loading, "load_pair", loaded.append)
-    speculor.load_pair("t.gguf", None, threads=2)
-    assert loaded == [PairSpec("t.gguf", None, backend="llama.cpp", threads=2)]
-    speculor.load_pair(PairSpec("t", backend="torch"))  # a concrete backend: nothing chosen
-    assert loaded[-1] == PairSpec("t", backend="torch")
+    monkeypatch.setattr(loading, "prepare", lambda plan: stages.append(("prepare", plan)) or "files")
+    monkeypatch.setattr(loading, "load", lambda prepared: stages.append(("load", prepared)) or "pair")
+    assert speculor.load_pair(str(gguf), None, threads=2) == "pair"
+    assert stages == [("prepare", make_plan(PairSpec(str(gguf), None, backend="llama.cpp", threads=2))),
+                      ("load", "files")]
+    speculor.load_pair(PairSpec(str(folder), backend="torch"))  # a concrete backend: nothing chosen
+    assert stages[-2] == ("prepare", make_plan(PairSpec(str(folder), backend="torch")))
+    assert stages[-2][1].backend == "torch"
     monkeypatch.undo()
     with pytest.raises(SpeculorError, match="chosen before loading"):
-        loading.load_pair()
+        make_plan(PairSpec())
     with pytest.raises(SpeculorError, match="a PairSpec or the fields of one"):
         speculor.load_pair(PairSpec(), backend="torch")
     with pytest.raises(SpeculorError, match="unknown backend"):
         speculor.load_pair(backend="gpu")
 
 
-def test_auto_with_a_llama_cpp_call_class_takes_llama_cpp_unmeasured(monkeypatch, capsys):
+def test_auto_with_a_llama_cpp_call_class_takes_llama_cpp_unmeasured(monkeypatch, capsys, tmp_path):
     """--calls padded (or batched) is a llama.cpp setting: auto takes llama.cpp without measuring torch (which would
     refuse the setting after its profile), says why, and refuses a pair llama.cpp cannot run."""
     import speculor
     from speculor.errors import SpeculorError
-    from speculor.runtime import choice, loading
-    from speculor.runtime.loading import PairSpec
+    from speculor.runtime import choice
+    from speculor.runtime.plan import make_plan
+    from speculor.runtime.resolve import resolve
+    from speculor.runtime.spec import PairSpec
 
-    loaded = []
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
     monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("measured for a llama.cpp setting"))
     monkeypatch.setattr(choice, "torch_only", lambda target, draft, device: "")
-    monkeypatch.setattr(loading, "load_pair", loaded.append)
-    speculor.load_pair("t.gguf", None, threads=2, calls="padded")
-    assert loaded == [PairSpec("t.gguf", None, backend="llama.cpp", threads=2, calls="padded")]
+    plan = resolve(PairSpec(str(gguf), None, threads=2, calls="padded"))
+    assert plan == make_plan(PairSpec(str(gguf), None, backend="llama.cpp", threads=2, calls="padded"))
     assert "chose llama.cpp: --calls padded is a llama.cpp setting" in capsys.readouterr().err
     assert choice.candidates("t.gguf", None, "cpu", "batched") == ["llama.cpp"]
     assert choice.candidates("t.gguf", None, "cpu") == ["torch", "llama.cpp"]

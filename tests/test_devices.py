@@ -99,7 +99,7 @@ def test_a_seed_fixes_a_sampled_answer_alone_and_in_a_batch(device_pair):
 def test_offloaded_target_decodes_the_same_tokens(references, device_pair):
     """Weights kept in CPU memory and copied in for each module's forward (accelerate's hooks): the parameters are
     meta tensors, the forward runs on the device given, and every strategy's greedy output is unchanged."""
-    from speculor.runtime.loading import offload_to
+    from speculor.runtime.load import offload_to
 
     device, pair = device_pair
     target = tiny_model(0, vocab=len(WORDS), context=64)
@@ -114,7 +114,7 @@ def test_offloaded_target_decodes_the_same_tokens(references, device_pair):
 
 def test_bad_device_gets_a_clear_error():
     from speculor import SpeculorError
-    from speculor.runtime.loading import check_device
+    from speculor.runtime.plan import check_device
 
     for bad in ("gpu", "cuda:99") + (() if torch.cuda.is_available() else ("cuda",)):
         with pytest.raises(SpeculorError, match="device"):

@@ -5,7 +5,7 @@ import pytest
 
 from speculor import Speculor
 from speculor.drafters import specdecpp
-from speculor.runtime.loading import check_same_vocab
+from speculor.runtime.load import check_same_vocab
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from speculor import Model, SamplingConfig, engine
 from speculor.drafters.chain import ChainDrafter
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.engine import batch as batched_engine
-from speculor.runtime.loading import load_model
+from speculor.runtime.load import load_model
 
 pytestmark = pytest.mark.integration
 

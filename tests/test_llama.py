@@ -240,7 +240,7 @@ def test_the_torch_only_options_are_refused_on_llama_cpp():
     with pytest.raises(SpeculorError, match="--draft-vocab"):
         load_pair(backend="llama.cpp", draft_vocab=1024)
     with pytest.raises(SpeculorError, match="GGUF"):
-        from speculor.runtime.loading import gguf_file
+        from speculor.runtime.prepare import gguf_file
 
         gguf_file("/nonexistent/folder")
 

@@ -320,7 +320,7 @@ def test_settings_from_config_args() -> None:
 def test_a_replica_loads_the_pair_speculor_serve_names() -> None:
     """The same options give the same PairSpec from `speculor serve`'s arguments and from Ray's settings."""
     from speculor import cli, commands
-    from speculor.runtime.loading import PairSpec
+    from speculor.runtime.spec import PairSpec
 
     given = {"target": "t", "draft": "none", "kernels": "eager", "dtype": "bfloat16", "threads": 2, "calls": "batched",
              "backend": "llama.cpp"}

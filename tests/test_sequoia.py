@@ -39,9 +39,9 @@ from speculor.drafters.sequoia import (
 )
 from speculor.errors import SpeculorError
 from speculor.methods.sequoia_calibration import calibrate
+from speculor.runtime.backend import Pair
 from speculor.runtime.cache import KVCache
 from speculor.runtime.cost import CostModel, cost_path
-from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 from speculor.runtime.profiling import implausible, profile_cost
 

@@ -29,8 +29,8 @@ from speculor.drafters.registry import make_strategy, options_of
 from speculor.drafters.suffix import PRIOR, TRUST_0, SuffixDrafter, SuffixOptions, SuffixStrategy
 from speculor.engine.drafting import drive
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Pair
 from speculor.runtime.cost import CostModel, Measured
-from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

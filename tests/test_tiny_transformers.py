@@ -15,7 +15,7 @@ from speculor import Model, Pair, SamplingConfig, Speculor, SpeculorError, engin
 from speculor.core.tree import block_parents, path_to
 from speculor.drafters.chain import ChainDrafter
 from speculor.runtime.backend import forward1
-from speculor.runtime.loading import check_same_vocab, load_model
+from speculor.runtime.load import check_same_vocab, load_model
 
 VOCAB = len(WORDS)  # 100
 CONTEXT = 64

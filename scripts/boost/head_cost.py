@@ -10,13 +10,13 @@ import time
 
 import torch
 
+from speculor import load_pair
 from speculor.drafters.eagle import pool
 from speculor.runtime.backend import Block, forward1
 from speculor.runtime.eagle_head import FeatureStore
-from speculor.runtime.loading import load_llama_pair
 
 torch.set_num_threads(2)
-pair = load_llama_pair("default", "default", threads=2)
+pair = load_pair("default", "default", backend="llama.cpp", threads=2)
 head = pool(pair)[0]
 store = FeatureStore()
 store.put(0, torch.randn(1, head.head.cfg.hidden_size))

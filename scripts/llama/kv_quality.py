@@ -21,7 +21,7 @@ from speculor.bench.prompts import sharegpt_records
 from speculor.config import SamplingConfig
 from speculor.runtime import llama
 from speculor.runtime.backend import forward1
-from speculor.runtime.loading import gguf_file
+from speculor.runtime.prepare import gguf_file
 
 pair = load_pair(backend="llama.cpp", threads=2, draft=None)
 sp = Speculor(pair, strategy="plain")

@@ -13,7 +13,7 @@ from speculor.api import Speculor
 from speculor.bench.prompts import sharegpt_records
 from speculor.runtime.backend import forward1
 from speculor.runtime.llama import quiet_llama
-from speculor.runtime.loading import gguf_file
+from speculor.runtime.prepare import gguf_file
 
 torch.set_num_threads(2)
 pair = load_pair(backend="llama.cpp", threads=2, draft=None)

@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 _WHERE = {"Generation": "speculor.api", "Speculor": "speculor.api", "SamplingConfig": "speculor.config",
           "SpeculorError": "speculor.errors", "Model": "speculor.runtime.model", "KVCache": "speculor.runtime.cache",
-          "Pair": "speculor.runtime.backend", "PairSpec": "speculor.runtime.loading",
-          "load_pair": "speculor.runtime.choice",  # "auto" chosen, then runtime/loading.py loads
+          "Pair": "speculor.runtime.backend", "PairSpec": "speculor.runtime.spec",
+          "load_pair": "speculor.runtime.loading",  # resolve, prepare, load
           "DraftTree": "speculor.core.tree"}
 
 

@@ -22,7 +22,7 @@ from speculor.errors import SpeculorError
 from speculor.grammar import tools as tool_calls
 from speculor.grammar.compile import Constraint, Grammars
 from speculor.grammar.state import GrammarState
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Pair
 
 
 @dataclass

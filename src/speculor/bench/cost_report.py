@@ -10,9 +10,9 @@ from speculor.bench.host import host_line
 from speculor.config import SamplingConfig
 from speculor.core.sequoia_dp import level_widths
 from speculor.drafters.sequoia import SequoiaOptions, plan_tree, resolve_acc
+from speculor.runtime.backend import Pair
 from speculor.runtime.choice import predicted
 from speculor.runtime.cost import CostModel
-from speculor.runtime.loading import Pair
 
 
 def report(pair: Pair, cost: CostModel, path: Path, temperatures: list[float], depth: int, width: int) -> None:

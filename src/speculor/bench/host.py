@@ -10,7 +10,7 @@ import time
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
 from speculor.engine.loop import stream
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Pair
 
 PROMPT = list(range(1000, 1200))  # 200 tokens, as the cost curve's prefix
 TOKENS = 33

@@ -36,9 +36,10 @@ import torch
 
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
+from speculor.runtime.backend import Pair
 from speculor.runtime.kernels import is_packed
 from speculor.runtime.lean import is_joined
-from speculor.runtime.loading import Pair, load_model
+from speculor.runtime.load import load_model
 from speculor.runtime.model import Model
 
 PEERS = ("llama.cpp", "llama.cpp-lookup", "hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence",
@@ -135,7 +136,7 @@ def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig, eos_ids: 
     """(new token ids, wall seconds prefill included, seconds to the first token: the prompt's evaluation) of
     llama.cpp's plain decoding of the target's GGUF, or with `lookup` its prompt-lookup drafting."""
     from speculor.runtime.llama import quiet_llama
-    from speculor.runtime.loading import gguf_file
+    from speculor.runtime.prepare import gguf_file
 
     options = {}
     if lookup:

@@ -34,8 +34,7 @@ from speculor.bench.specs import Spec
 from speculor.bench.summary import cell, format_table, sum_stats, summarize
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
-from speculor.runtime.backend import forward1
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Pair, forward1
 from speculor.runtime.memory import peak_memory_gib, reset_peak_memory
 
 __all__ = ["cell", "format_table", "peak_memory_gib", "reset_peak_memory", "run", "sum_stats", "summarize"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from speculor.runtime.backend import Pair
-    from speculor.runtime.loading import PairSpec
+    from speculor.runtime.spec import PairSpec
 
 Args = Any  # the argparse.Namespace of the command
 
@@ -61,14 +61,14 @@ def strategy_options(args: Args) -> dict:
 def pair_spec(args: Args) -> PairSpec:
     """The pair a command's arguments name (--target, --draft and the pair's options; a command without one of
     those options gets its default)."""
-    from speculor.runtime.loading import PairSpec
+    from speculor.runtime.spec import PairSpec
 
     return PairSpec.named(args.target, args.draft, **{n: getattr(args, n, d) for n, d in PAIR_OPTIONS.items()})
 
 
 def load(args: Args) -> Pair:
     """The pair a command's arguments name, loaded (backend auto chosen first: `speculor.load_pair`)."""
-    from speculor.runtime.choice import load_pair
+    from speculor.runtime.loading import load_pair
 
     return load_pair(pair_spec(args))
 

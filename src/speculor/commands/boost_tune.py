@@ -20,13 +20,13 @@ def run(args: Args) -> None:
     from speculor.runtime import embedded
     from speculor.runtime.assets import cache_dir, slug
     from speculor.runtime.eagle_head import EagleConfig
-    from speculor.runtime.loading import torch_dtype
+    from speculor.runtime.spec import torch_dtype
 
     args.target = embedded.named(args.target, None)[0]
     if args.prepared:
         data = torch.load(args.prepared)
     else:
-        from speculor.runtime.loading import load_tokenizer
+        from speculor.runtime.load import load_tokenizer
 
         data = bd.prepare(load_tokenizer(args.target), conversations=args.conversations, max_len=args.max_len,
                           selfgen=args.selfgen, heldout=args.heldout, vocab=args.vocab)
@@ -70,14 +70,14 @@ def _feature_source(args: Args, dtype):
     from speculor.runtime import embedded
 
     if args.feature_source == "transformers":
-        from speculor.runtime.loading import load_model
+        from speculor.runtime.load import load_model
 
         model, _ = load_model(args.target, device=args.device, dtype=dtype)
         for p in model.parameters():
             p.requires_grad_(False)
         return bd.HFSource(model, tokens_per_batch=args.tokens_per_batch), None
     from speculor.runtime.llama import LlamaModel
-    from speculor.runtime.loading import gguf_file
+    from speculor.runtime.prepare import gguf_file
 
     threads = args.threads or torch.get_num_threads()
     target = LlamaModel(gguf_file(args.target), threads=threads)

@@ -143,10 +143,10 @@ def model_identity(spec: str, config: Any = None) -> dict[str, Any]:
     if config is None:
         from transformers import AutoConfig
 
-        from speculor.runtime.loading import resolve
+        from speculor.runtime.prepare import model_files
 
-        folder, gguf = resolve(spec)
-        config = AutoConfig.from_pretrained(folder, gguf_file=gguf)
+        files = model_files(spec)
+        config = AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf)
     text = config.to_json_string(use_diff=False)
     return {"name": spec, "sha256": hashlib.sha256(text.encode()).hexdigest(), "sha256_of": "config"}
 

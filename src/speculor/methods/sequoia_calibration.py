@@ -16,7 +16,7 @@ from speculor.drafters.base import Drafter, Proposal
 from speculor.drafters.sequoia import Calibration
 from speculor.drafters.static_tree import TreeDrafter
 from speculor.errors import SpeculorError
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Pair
 
 
 class AcceptanceRecorder(Drafter):

@@ -20,9 +20,8 @@ from tqdm import tqdm
 from speculor.config import is_int
 from speculor.errors import SpeculorError
 from speculor.runtime.assets import cache_dir
-from speculor.runtime.backend import forward1
+from speculor.runtime.backend import Pair, forward1
 from speculor.runtime.cache import KVCache
-from speculor.runtime.loading import Pair
 from speculor.runtime.model import Model
 
 # ---------------------------------------------------------------- training data (§7)

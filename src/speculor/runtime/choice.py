@@ -11,8 +11,9 @@ The choice and both predictions are cached per machine, threads and pair, and sa
 candidate (a GPU, a model that is not GGUF, llama-cpp-python missing, a torch-only option) nothing is measured: the
 choice and why are said on stderr all the same.
 
-"auto" is resolved before loading (`resolve`): this module calls runtime/loading.py, never the reverse; its
-`load_pair` (resolve, then load) is `speculor.load_pair`.
+Contract: `choose_backend(spec)` is the first stage's choice of "auto" (runtime/resolve.py): a device that cannot run
+is refused before anything is measured. Measuring a candidate runs the other two stages on a plan of that backend
+and PairSpec's default options (runtime/plan.py, prepare.py, load.py); none of those modules imports this one.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import gc
 import json
 import platform
 import sys
-from dataclasses import replace
 from importlib import resources
-from typing import Any
 
 import torch
 
 from speculor.errors import SpeculorError
-from speculor.runtime import embedded, loading
+from speculor.runtime import embedded
 from speculor.runtime.assets import cache_dir, slug
-from speculor.runtime.backend import Pair
-from speculor.runtime.loading import PairSpec
+from speculor.runtime.load import load
+from speculor.runtime.plan import check_device, make_plan
+from speculor.runtime.prepare import prepare
 from speculor.runtime.profiling import machine_cost
+from speculor.runtime.spec import PairSpec
 
 CHAIN = range(0, 9)
 
@@ -93,19 +94,11 @@ def choose(target: str, draft: str | None, *, device: str, threads: int, only_to
     if draft is None:
         return say("llama.cpp", "no draft model: plain decoding, on the GGUF file's own quantized kernels (nothing "
                    "measured)")
-    names = candidates(target, draft, device)
     path = cache_dir() / "choice" / f"{slug(target)}--{slug(draft)}--{slug(platform.node())}--x{threads}.json"
     if path.exists():
         record = json.loads(path.read_text())
     else:
-        a = acceptance(target, draft)
-        record = {"acceptance": a, "predicted": {}}
-        for name in names:
-            pair = loading.load_pair(PairSpec(target, draft, device=device, backend=name, threads=threads))
-            rate, k = predicted(machine_cost(pair), a)
-            record["predicted"][name] = {"tokens_per_s": rate, "chain": k}
-            del pair
-            gc.collect()
+        record = measure(target, draft, device=device, threads=threads)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
     pred = record["predicted"]
@@ -117,25 +110,29 @@ def choose(target: str, draft: str | None, *, device: str, threads: int, only_to
                f"{record['acceptance']:.2f}; cached in {path})")
 
 
-def resolve(spec: PairSpec) -> PairSpec:
-    """The spec with a concrete backend: "auto" becomes `choose`'s choice, once the device is checked (a device that
-    cannot run is refused before anything is measured); any other backend is kept."""
-    if spec.backend != "auto":
-        return spec
-    loading.check_device(spec.device, spec.offload)
+def measure(target: str, draft: str, *, device: str, threads: int) -> dict:
+    """The record `choose` caches: the pair's acceptance and, per candidate, its predicted tokens/s and chain, each
+    candidate loaded (plan, prepare and load, with PairSpec's default options) and released in turn."""
+    a = acceptance(target, draft)
+    record: dict = {"acceptance": a, "predicted": {}}
+    for name in candidates(target, draft, device):
+        pair = load(prepare(make_plan(PairSpec(target, draft, device=device, backend=name, threads=threads))))
+        rate, k = predicted(machine_cost(pair), a)
+        record["predicted"][name] = {"tokens_per_s": rate, "chain": k}
+        del pair
+        gc.collect()
+    return record
+
+
+def choose_backend(spec: PairSpec) -> str:
+    """The backend "auto" stands for in `spec` (`choose`), once the device is checked (a device that cannot run is
+    refused before anything is measured); with --calls padded or batched, llama.cpp unmeasured."""
+    check_device(spec.device, spec.offload)
     if spec.calls != "exact":  # a llama.cpp setting: nothing to choose
         if spec.draft_vocab:
             raise SpeculorError(f"--calls {spec.calls} is a llama.cpp setting and --draft-vocab a torch one: give one")
         candidates(*embedded.named(spec.target, spec.draft), spec.device, spec.calls)
-        why = f"--calls {spec.calls} is a llama.cpp setting (nothing measured)"
-        return replace(spec, backend=say("llama.cpp", why))
+        return say("llama.cpp", f"--calls {spec.calls} is a llama.cpp setting (nothing measured)")
     only_torch = "--draft-vocab restricts a torch draft's head" if spec.draft_vocab else ""
-    backend = choose(spec.target, spec.draft, device=spec.device, threads=spec.threads or torch.get_num_threads(),
-                     only_torch=only_torch)
-    return replace(spec, backend=backend)
-
-
-def load_pair(spec: PairSpec | str = "default", *args: Any, **options: Any) -> Pair:
-    """`speculor.load_pair`: the pair of a PairSpec, or of its fields (`load_pair()`, `load_pair("default", None,
-    backend="torch")`), backend "auto" chosen first (`resolve`), then loaded (runtime/loading.py)."""
-    return loading.load_pair(resolve(PairSpec.of(spec, *args, **options)))
+    return choose(spec.target, spec.draft, device=spec.device, threads=spec.threads or torch.get_num_threads(),
+                  only_torch=only_torch)

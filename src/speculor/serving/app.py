@@ -70,7 +70,7 @@ from speculor.grammar import tools as tool_calls
 from speculor.grammar.compile import Constraint
 from speculor.grammar.tools import Tool
 from speculor.runtime import openmp
-from speculor.runtime.loading import Pair
+from speculor.runtime.backend import Pair
 from speculor.serving.errors import APIError, bad_request, install_error_handlers
 from speculor.serving.formats import EventStream, Format, collect, sse_stream
 from speculor.serving.metrics import Metrics, MetricsMiddleware

@@ -13,14 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from speculor.errors import SpeculorError
 
 if TYPE_CHECKING:
-    from speculor.runtime.loading import PairSpec
+    from speculor.runtime.spec import PairSpec
 
 
 class RaySettings(BaseModel):
     """What `speculor serve --ray` and a `serve run`/`serve deploy` config's args set (unknown keys are refused)."""
 
     model_config = ConfigDict(extra="forbid")
-    # the pair, as `speculor serve` names it (`pair_spec`: runtime.loading.PairSpec.named)
+    # the pair, as `speculor serve` names it (`pair_spec`: runtime.spec.PairSpec.named)
     target: str = "default"
     draft: str = "default"  # "none" for no draft
     backend: Literal["auto", "torch", "llama.cpp"] = "auto"  # auto: each node's measured choice (runtime/choice.py)
@@ -75,7 +75,7 @@ class RaySettings(BaseModel):
 
     def pair_spec(self) -> PairSpec:
         """The pair a replica loads (`speculor.load_pair` of it; backend auto: each node's own choice)."""
-        from speculor.runtime.loading import PairSpec
+        from speculor.runtime.spec import PairSpec
 
         return PairSpec.named(**self.model_dump(include={"target", "draft", "backend", "device", "dtype", "kernels",
                                                          "threads", "calls", "draft_vocab", "offload"}))

@@ -74,7 +74,7 @@ class Replica:
     """A model pair and its continuous-batching scheduler; metrics through Ray."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        from speculor.runtime.choice import load_pair
+        from speculor.runtime.loading import load_pair
 
         s = RaySettings.of(settings)
         pair = load_pair(s.pair_spec())
