@@ -61,8 +61,9 @@ def http(url: str) -> Iterator[httpx.Client]:
 
 
 def reference(pair: Pair, prompt: str | list[dict[str, str]], max_tokens: int, **sampling) -> Generation:
-    """The library's own output (default strategy, greedy unless told); a list of messages means chat."""
-    sp = Speculor(pair)
+    """The library's own output (the server fixture's strategy, chain; greedy unless told); a list of messages
+    means chat."""
+    sp = Speculor(pair, strategy="chain")
     ids = sp.encode_chat(prompt) if isinstance(prompt, list) else sp.encode(prompt)
     return sp.generate(ids, SamplingConfig(max_new_tokens=max_tokens, **sampling))
 
@@ -494,7 +495,7 @@ def test_concurrent_requests_share_one_batch(pair: Pair) -> None:
 
         post_together(pair, http, post, 4, timeout=60)
         steps = metrics(http)
-    sp = Speculor(pair)
+    sp = Speculor(pair, strategy="chain")  # the app's
     for i in range(4):
         want = sp.generate(sp.encode(TEXTS[i]), SamplingConfig(max_new_tokens=24, **sampling[i]),
                            **({} if specs[i] is None else specs[i])).text

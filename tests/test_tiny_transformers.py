@@ -131,7 +131,7 @@ def test_near_draft_exercises_partial_acceptance(target, drafts):
 
 def test_speculor_api_generates_the_greedy_tokens(target, drafts, tokenizer):
     pair = Pair(Model(target), Model(drafts["near"]), tokenizer)
-    out = Speculor(pair, k=3).generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
+    out = Speculor(pair, strategy="chain", k=3).generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, PROMPTS[0], 12)
     assert out.finish_reason == "length" and out.tau >= 1
     plain = Speculor(pair, strategy="plain").generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
@@ -213,7 +213,7 @@ def test_nan_logits(target, drafts, tokenizer, which, temperature):
     pair = Pair(bad, good, tokenizer) if which == "target" else Pair(Model(target), bad, tokenizer)
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=4, seed=0)
     with pytest.raises(SpeculorError, match=f"{which} model produced NaN"):
-        Speculor(pair, k=2).generate([1, 2, 3], cfg)
+        Speculor(pair, strategy="chain", k=2).generate([1, 2, 3], cfg)
 
 
 def test_nan_target_in_plain_decoding(target, tokenizer):
@@ -270,14 +270,14 @@ def test_load_pair_from_folders(saved, target, capsys):
     assert said == ["speculor: --backend auto chose torch: the llama.cpp backend runs GGUF files (an embedded model or "
                     "a .gguf file), and this pair is not one (nothing measured)"]
     assert pair.backend == "torch" and pair.target.vocab_size == VOCAB and pair.draft is not None
-    out = Speculor(pair, k=2).generate([4, 5, 6], SamplingConfig(max_new_tokens=6, stop_on_eos=False))
+    out = Speculor(pair, strategy="chain", k=2).generate([4, 5, 6], SamplingConfig(max_new_tokens=6, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, [4, 5, 6], 6)
 
 
 def test_a_draft_with_another_vocabulary_drafts_through_text(saved, target):
     pair = load_pair(saved["target"], saved["other_vocab"])
     assert pair.draft_tokenizer is not None and pair.draft_tokenizer.get_vocab() != pair.tokenizer.get_vocab()
-    out = Speculor(pair, k=2).generate([4, 5, 6], SamplingConfig(max_new_tokens=6, stop_on_eos=False))
+    out = Speculor(pair, strategy="chain", k=2).generate([4, 5, 6], SamplingConfig(max_new_tokens=6, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, [4, 5, 6], 6)
     with pytest.raises(SpeculorError, match="needs a draft with the target's tokenizer"):
         Speculor(pair, strategy="dyspec").generate([4, 5, 6], SamplingConfig(max_new_tokens=2))
