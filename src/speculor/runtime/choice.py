@@ -78,7 +78,7 @@ def candidates(target: str, draft: str | None, device: str, calls: str = "exact"
     return ["torch"] if why else ["torch", "llama.cpp"]
 
 
-def say(chosen: str, why: str) -> str:
+def report_choice(chosen: str, why: str) -> str:
     """One stderr line: what auto chose and why; returns the choice."""
     print(f"speculor: --backend auto chose {chosen}: {why}", file=sys.stderr)
     return chosen
@@ -90,10 +90,10 @@ def choose(target: str, draft: str | None, *, device: str, threads: int, only_to
     target, draft = embedded.named(target, draft)
     why = only_torch or torch_only(target, draft, device)
     if why:
-        return say("torch", why + " (nothing measured)")
+        return report_choice("torch", why + " (nothing measured)")
     if draft is None:
-        return say("llama.cpp", "no draft model: plain decoding, on the GGUF file's own quantized kernels (nothing "
-                   "measured)")
+        return report_choice("llama.cpp", "no draft model: plain decoding, on the GGUF file's own quantized kernels "
+                             "(nothing measured)")
     path = cache_dir() / "choice" / f"{slug(target)}--{slug(draft)}--{slug(platform.node())}--x{threads}.json"
     if path.exists():
         record = json.loads(path.read_text())
@@ -106,7 +106,7 @@ def choose(target: str, draft: str | None, *, device: str, threads: int, only_to
         raise SpeculorError(f"no backend could be measured for {target!r}")
     chosen = max(pred, key=lambda n: pred[n]["tokens_per_s"])
     said = ", ".join(f"{n} {p['tokens_per_s']:.1f} tokens/s (chain k={p['chain']})" for n, p in pred.items())
-    return say(chosen, f"predicted {said} from the measured cost curves (top-1 acceptance "
+    return report_choice(chosen, f"predicted {said} from the measured cost curves (top-1 acceptance "
                f"{record['acceptance']:.2f}; cached in {path})")
 
 
@@ -132,7 +132,7 @@ def choose_backend(spec: PairSpec) -> str:
         if spec.draft_vocab:
             raise SpeculorError(f"--calls {spec.calls} is a llama.cpp setting and --draft-vocab a torch one: give one")
         candidates(*embedded.named(spec.target, spec.draft), spec.device, spec.calls)
-        return say("llama.cpp", f"--calls {spec.calls} is a llama.cpp setting (nothing measured)")
+        return report_choice("llama.cpp", f"--calls {spec.calls} is a llama.cpp setting (nothing measured)")
     only_torch = "--draft-vocab restricts a torch draft's head" if spec.draft_vocab else ""
     return choose(spec.target, spec.draft, device=spec.device, threads=spec.threads or torch.get_num_threads(),
                   only_torch=only_torch)
