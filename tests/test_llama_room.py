@@ -1,11 +1,11 @@
-"""When the llama.cpp backend compacts its shared memory (runtime/llama_room.py): the rule alone; the rows' bits
+"""When the llama.cpp backend compacts its shared memory (runtime/llama/cells.py): the rule alone; the rows' bits
 across a compaction made due by forgotten cells are in tests/test_llama.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from speculor.runtime.llama_room import SLACK, due
+from speculor.runtime.llama.cells import SLACK, due
 
 
 @pytest.mark.parametrize("kept", [0, 10, SLACK // 2, SLACK, 3 * SLACK])

@@ -121,13 +121,13 @@ class PairSpec:
 
     backend: 'auto', the default (runtime/choice.py: the one this machine's measured cost curves predict fastest,
     said on stderr; torch without measuring where llama.cpp cannot run the pair), 'torch' (transformers, the fp32
-    reference and the GPU path) or 'llama.cpp' (GGUF files on llama.cpp's own quantized kernels, runtime/llama.py).
+    reference and the GPU path) or 'llama.cpp' (GGUF files on llama.cpp's own quantized kernels, runtime/llama/).
     threads: the CPU threads of either (default: torch's).
     calls (llama.cpp): 'exact', the default (rows in calls that give each the bits of a one-row call: speculative
     output is plain decoding's and no answer depends on what shares its batch), 'padded' (the same guarantees in
     the other class of bits, the 4-row kernels': every call padded to 4k rows, so a lone step costs a 4-row call and
     a loaded server's steps llama.cpp's own sizes), or 'batched' (llama.cpp's own call sizes: more throughput under
-    load, neither guarantee; runtime/llama.py).
+    load, neither guarantee; runtime/llama/).
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
     draft with int8 weights (kernels.py). Either releases the fp32 weights it replaces (each weight is held once;
@@ -244,9 +244,9 @@ def gguf_file(spec: str) -> Path:
 
 def load_llama_pair(target: str = "default", draft: str | None = "default", *, threads: int,
                     calls: str = "exact") -> Pair:
-    """The pair on llama.cpp (runtime/llama.py); the tokenizer is transformers' (from the converted folder of an
+    """The pair on llama.cpp (runtime/llama/); the tokenizer is transformers' (from the converted folder of an
     embedded model, else read from the GGUF)."""
-    from speculor.runtime.llama import LlamaModel
+    from speculor.runtime.llama.model import LlamaModel
 
     target, draft = embedded.named(target, draft)
     t_path = gguf_file(target)
