@@ -9,7 +9,6 @@ import pytest
 
 from speculor.errors import SpeculorError
 from speculor.runtime.llama import state
-from speculor.runtime.llama.calls import TILED, parts
 from speculor.runtime.llama.state import MAGIC, State, parse, write
 
 
@@ -78,14 +77,3 @@ def test_an_unknown_llama_cpp_python_is_refused_at_the_first_parse(monkeypatch):
     assert write(State(np.arange(0), [], []), 1, trans=False).size
     monkeypatch.setattr(state, "version", lambda: state.KNOWN[0])
     assert parse(good).pos.tolist() == [4, 5]
-
-
-@pytest.mark.parametrize("n", [1, 7, 8, 32, 100, 511, 512, 513, 519, 520, 1024, 1027, 1100])
-def test_a_prompt_blocks_calls_start_at_multiples_of_4_and_the_last_has_8_rows(n):
-    """Calls of at most 512 rows covering 0..n in order, each starting at a multiple of 4, the last of TILED rows or
-    more whenever there are two (513 rows: 504 + 9, not 512 + 1); one call alone may be shorter."""
-    calls = parts(n, 512)
-    assert [i for r in calls for i in r] == list(range(n))
-    assert all(r.start % 4 == 0 and 0 < len(r) <= 512 for r in calls)
-    assert len(calls) == 1 or len(calls[-1]) >= TILED
-    assert len(calls) == -(-n // 512)
