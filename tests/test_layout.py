@@ -1,6 +1,7 @@
 """The package layout keeps its promises: strategies do not import each other (every registered one checked), the
 decoding path loads no training, plotting or benchmark code, layers import downwards only, nothing below the command
-line imports it, runtime/'s imports have no cycle, and no source file grows past ~400 lines."""
+line imports it, runtime/'s imports (its subpackages' included) have no cycle, no source file grows past ~400 lines
+and no function of the llama.cpp backend past 60."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_no_strategy_imports_another(name):
 def test_layers_import_downwards():
     for i, layer in enumerate(LAYERS):
         above = {f"speculor.{up}" for up in LAYERS[i + 1:]} | {"speculor.cli"}
-        for path in [SRC / "api.py"] if layer == "api" else (SRC / layer).glob("*.py"):
+        for path in [SRC / "api.py"] if layer == "api" else (SRC / layer).rglob("*.py"):
             bad = {m for m in speculor_imports(path) if any(m == a or m.startswith(a + ".") for a in above)}
             if layer == "methods":  # offline work may read the prompt sets of bench/
                 bad -= {"speculor.bench.prompts", "speculor.bench", "speculor.bench.prompts.sharegpt_records"}
@@ -62,6 +63,14 @@ def test_decoding_path_loads_no_offline_code():
 
 def test_no_source_file_is_long():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 420}
+    assert not long
+
+
+def test_the_llama_backends_functions_are_short():
+    """runtime/llama/ is split by role: no function there grows past 60 lines."""
+    long = {f"{p.name}:{n.name}": n.end_lineno - n.lineno + 1 for p in (SRC / "runtime" / "llama").glob("*.py")
+            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.end_lineno - n.lineno + 1 > 60}
     assert not long
 
 
@@ -88,12 +97,36 @@ def test_nothing_below_the_command_line_imports_it():
         assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"
 
 
+def runtime_modules() -> dict[str, Path]:
+    """runtime/'s modules, its subpackages' included, by dotted name (a package's __init__ by the package's)."""
+    out = {}
+    for p in (SRC / "runtime").rglob("*.py"):
+        parts = p.relative_to(SRC / "runtime").with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts:
+            out["speculor.runtime." + ".".join(parts)] = p
+    return out
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` a file imports, at top level, inside functions and under `if TYPE_CHECKING:`:
+    `from package import module` imports that module, `from module import name` that module. (The package a module
+    lies in, which Python imports first, is not counted: a package's __init__ may re-export its modules.)"""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                       for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out & known
+
+
 def test_runtime_imports_have_no_cycle():
-    """runtime/'s modules import one another one way only (imports inside functions count; those under `if
-    TYPE_CHECKING:` do not, as they never run)."""
-    modules = {p.stem for p in (SRC / "runtime").glob("*.py")} - {"__init__"}
-    graph = {m: {n.split(".")[2] for n in speculor_imports(SRC / "runtime" / f"{m}.py", type_checking=False)
-                 if n.startswith("speculor.runtime.") and n.split(".")[2] in modules} - {m} for m in modules}
+    """runtime/'s modules, its subpackages' included, import one another one way only (imports inside functions and
+    under `if TYPE_CHECKING:` count: a cycle of types is a cycle of design)."""
+    modules = runtime_modules()
+    graph = {m: imported_modules(p, set(modules)) - {m} for m, p in modules.items()}
     done: set[str] = set()
 
     def visit(m: str, path: list[str]) -> None:
@@ -104,5 +137,6 @@ def test_runtime_imports_have_no_cycle():
                 visit(n, path + [m])
             done.add(m)
 
+    assert "speculor.runtime.llama.cells" in graph
     for m in sorted(graph):
         visit(m, [])

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from speculor.runtime.cache import KVCache
-    from speculor.runtime.cost import CallTimes
 
 
 class Cache(Protocol):
@@ -91,6 +90,17 @@ class Rows:
     hidden: torch.Tensor | None = None
 
 
+class CallTimer(Protocol):
+    """A backend's calls timed by their rows (runtime/cost.py `CallTimes`, which profiling reads), named here so
+    that this module imports nothing of runtime/ above it."""
+
+    limit: int  # the most rows of a call it times
+
+    def add(self, rows: int, seconds: float) -> None: ...
+
+    def ratio(self, k: int) -> float | None: ...
+
+
 class Backend(Protocol):
     """Runs forward passes of one model over blocks of rows against per-request caches (module docstring)."""
 
@@ -104,7 +114,7 @@ class Backend(Protocol):
     cheap_rows: bool  # whether a few more rows in a forward cost little beside the forward (torch: t(n) nearly flat
     # for the rows a draft adds); False: t(n) grows with n (llama.cpp's CPU kernels), so a budget is sized by t(n)
     kernel_s: float | None  # seconds spent in its own kernels so far (llama.cpp's llama_decode), None: not counted
-    call_times: CallTimes | None  # its calls' seconds by rows (runtime/cost.py), where a call's rows are few and
+    call_times: CallTimer | None  # its calls' seconds by rows (runtime/cost.py), where a call's rows are few and
     # its cost grows with them (llama.cpp's exact calls); None: not timed
     min_chunk: int  # the fewest rows a prompt filled in chunks may end with (a shorter rest joins the chunk before):
     # llama.cpp's 8, which its prompt calls take in one piece (runtime/llama/calls.py `parts`); torch's 1
