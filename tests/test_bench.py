@@ -205,8 +205,8 @@ def test_quick_keeps_only_the_peers_that_run_beside_the_pair(pair, tmp_path, mon
     from types import SimpleNamespace
 
     from speculor.bench import peers
-    from speculor.runtime import llama
     from speculor.runtime.embedded import DEFAULT_TARGET
+    from speculor.runtime.llama.model import available
 
     monkeypatch.setattr(bench.prompt_sets, "load", lambda sets, limit: [Prompt("p", "mtbench", "w", TEXTS[0], True)])
     monkeypatch.setenv("SPECULOR_CACHE", str(tmp_path / "cache"))
@@ -218,7 +218,7 @@ def test_quick_keeps_only_the_peers_that_run_beside_the_pair(pair, tmp_path, mon
     assert "peers left out on torch: llama.cpp (the target is not a GGUF file)" in capsys.readouterr().out
     on_llama = SimpleNamespace(backend="llama.cpp", target_name=DEFAULT_TARGET)  # the embedded GGUF target
     assert "transformers" in peers.unfit(on_llama, "hf-assisted")
-    assert peers.unfit(on_llama, "llama.cpp") == ("" if llama.available() else "llama-cpp-python is not installed")
+    assert peers.unfit(on_llama, "llama.cpp") == ("" if available() else "llama-cpp-python is not installed")
     assert peers.unfit(SimpleNamespace(backend="torch", target_name="/m/t.gguf"), "hf-assisted") == ""
 
 

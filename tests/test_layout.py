@@ -47,7 +47,7 @@ def test_no_strategy_imports_another(name):
 def test_layers_import_downwards():
     for i, layer in enumerate(LAYERS):
         above = {f"speculor.{up}" for up in LAYERS[i + 1:]} | {"speculor.cli"}
-        for path in [SRC / "api.py"] if layer == "api" else (SRC / layer).glob("*.py"):
+        for path in [SRC / "api.py"] if layer == "api" else (SRC / layer).rglob("*.py"):
             bad = {m for m in speculor_imports(path) if any(m == a or m.startswith(a + ".") for a in above)}
             if layer == "methods":  # offline work may read the prompt sets of bench/
                 bad -= {"speculor.bench.prompts", "speculor.bench", "speculor.bench.prompts.sharegpt_records"}
@@ -104,21 +104,28 @@ def test_nothing_below_the_command_line_imports_it():
         assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"
 
 
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` a file imports, at top level, inside functions and under `if TYPE_CHECKING:`:
+    `from package import module` imports that module, `from module import name` that module. (The package a module
+    lies in, which Python imports first, is not counted: a package's __init__ may re-export its modules.)"""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                       for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out & known
+
+
 def import_cycle(package: Path) -> list[str] | None:
     """An import cycle among the modules of `package` (its subpackages' included, a package standing for its
     __init__), counting imports inside functions and under `if TYPE_CHECKING:`; None where there is none."""
-    name = "speculor." + ".".join(package.relative_to(SRC).parts)
-    modules = {name + "." + ".".join(p.relative_to(package).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in package.rglob("*.py")}
-    modules[name] = modules.pop(name + ".__init__", package / "__init__.py")
-
-    def target(m: str) -> str | None:  # the package module an import names (`from x import y`: y where a module)
-        while m and m not in modules:
-            m = m.rpartition(".")[0]
-        return m or None
-
-    graph = {m: {t for n in speculor_imports(p) if (t := target(n)) and t != m} if p.exists() else set()
-             for m, p in modules.items()}
+    modules = {}
+    for p in package.rglob("*.py"):
+        parts = p.relative_to(SRC).with_suffix("").parts
+        modules[".".join(("speculor", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = p
+    graph = {m: imported_modules(p, set(modules)) - {m} for m, p in modules.items()}
     done: set[str] = set()
 
     def visit(m: str, path: list[str]) -> list[str] | None:

@@ -1,4 +1,4 @@
-"""The llama.cpp backend (runtime/llama.py) on the embedded GGUF pair: a tree verified in one forward equals each
+"""The llama.cpp backend (runtime/llama/) on the embedded GGUF pair: a tree verified in one forward equals each
 path decoded alone, bit for bit; compaction keeps exactly the accepted path; rows packed with other requests' rows
 equal the same rows alone; speculative decoding equals this backend's plain decoding at T = 0 and has its
 distribution under sampling (chi-square through the engine); negative controls for the row limit and the sampler."""
@@ -16,8 +16,11 @@ from support.llama_rows import PARENTS, PATHS, PREFIX, PROMPT, TREE, alone, pref
 from speculor import SamplingConfig, Speculor, engine
 from speculor.engine import batch as batched_engine
 from speculor.errors import SpeculorError
-from speculor.runtime import llama, llama_fill, openmp
+from speculor.runtime import openmp
 from speculor.runtime.backend import Block, Rows, forward1
+from speculor.runtime.llama import calls as packing
+from speculor.runtime.llama import cells, state
+from speculor.runtime.llama import model as llama
 
 pytestmark = pytest.mark.integration
 
@@ -124,13 +127,12 @@ def test_a_tree_grown_by_depth_equals_the_tree_at_once(draft):
 @pytest.mark.parametrize("kept", [[0, 1, 4], [0, 2, 5], [0, 1], [0]])
 def test_compaction_keeps_exactly_the_accepted_path(draft, kept):
     cache, _ = tree_logits(draft)
-    free = len(draft.free_ids)
+    free = len(draft.cell_state.free_ids)
     cache.keep(kept)
     accepted = [([PROMPT[-1]] + TREE)[r] for r in kept]
     assert cache.length == len(PROMPT) - 1 + len(kept) and len(cache.pending) == 0
-    assert len(draft.free_ids) >= free  # the other paths' ids are back
-    mem = draft.mem
-    assert llama._lib().llama_memory_seq_pos_max(mem, cache.base) == cache.length - 1
+    assert len(draft.cell_state.free_ids) >= free  # the other paths' ids are back
+    assert draft.memory.seq_pos_max(cache.base) == cache.length - 1
     nxt = forward1(draft, cache, [7]).logits[0]
     assert torch.equal(nxt, alone(draft, PROMPT[:-1] + accepted + [7]))
 
@@ -146,8 +148,8 @@ def test_tree_blocks_fill_every_call_and_keep_their_rows_alone(draft, monkeypatc
     """Blocks of 1, 3, 1 and 3 rows take 3 calls, not 4: a block continues in the next call where the last one has
     room left (ancestors first), and every row keeps its one-row bits."""
     caches = [prefilled(draft, PROMPT[k:-1]) for k in range(4)]
-    decode, calls = draft._decode, []
-    monkeypatch.setattr(draft, "_decode", lambda call, *a: (calls.append(sum(len(r) for _, r, _ in call)),
+    decode, calls = draft.decode, []
+    monkeypatch.setattr(draft, "decode", lambda call, *a: (calls.append(sum(len(r) for _, r, _ in call)),
                                                             decode(call, *a))[1])
     out = draft.forward([Block(caches[0], [PROMPT[-1]]),
                          Block(caches[1], [PROMPT[-1], 200, 300], torch.tensor([-1, 0, 0])),
@@ -310,13 +312,13 @@ def test_a_request_keeps_its_bits_when_the_memory_fills(draft):
 def test_freeing_the_graveyard_in_place_changes_the_bits(draft, monkeypatch):
     """Negative control: without compaction (the graveyard freed where it lies once the memory is full) the same
     request gets other logits once the memory has filled."""
-    monkeypatch.setattr(llama.LlamaModel, "make_room", lambda self, blocks: None)
+    monkeypatch.setattr(cells.Cells, "compact_if_due", lambda self, blocks: None)
     same = steps_equal_alone(draft)
     assert all(same[:20]) and not all(same)
 
 
 def test_a_request_keeps_its_bits_across_a_compaction_of_forgotten_cells(draft):
-    """A memory whose forgotten cells outnumber its kept ones is compacted (runtime/llama_room.py: every call would
+    """A memory whose forgotten cells outnumber its kept ones is compacted (runtime/llama/cells.py: every call would
     visit them) while it has room: a request decoding while another's 1100 cells are forgotten keeps the bits of
     its steps alone, and the memory shrinks to the cells still kept."""
     prompt = (PROMPT * 40)[:300]
@@ -330,7 +332,7 @@ def test_a_request_keeps_its_bits_across_a_compaction_of_forgotten_cells(draft):
         out.append(forward1(ctx, cache, [tok]).logits[0])
         cache.keep([0])
         tok = int(out[-1].argmax())
-    assert ctx.used == live.length + cache.length < 600
+    assert ctx.cell_state.used == live.length + cache.length < 600
     assert all(torch.equal(a, b) for a, b in zip(out, decoded(draft, prompt, 8), strict=True))
 
 
@@ -383,7 +385,7 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monk
         if lends == 24:
             uncapped = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
             filled(uncapped, first[:-1])
-            monkeypatch.setattr(llama_fill, "TILED", 4)
+            monkeypatch.setattr(packing, "TILED", 4)
             cache, lent, _ = filled(uncapped, prompt[:-1])
             monkeypatch.undo()
             assert lent == 28
@@ -441,7 +443,7 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
 def without_flash_attention(model, prompt):
     """llama.cpp's own context over the model's weights and KV types, flash attention off: the logits of the
     prompt's last row (filled in calls of N_BATCH rows) and of the step after it on the prompt's argmax."""
-    L = model.L
+    L = model.lib
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 2048, llama.N_BATCH, llama.N_BATCH, 1
     cp.n_threads = cp.n_threads_batch = 2
@@ -469,7 +471,7 @@ def step_after_prompt(model, prompt):
 
 
 def test_a_prompt_is_filled_as_llama_cpp_fills_it_without_flash_attention(draft, monkeypatch):
-    """A prompt block is computed in the prompts' context (runtime/llama_fill.py): its last row has the bits of
+    """A prompt block is computed in the prompts' context (runtime/llama/fill.py): its last row has the bits of
     llama.cpp's own context without flash attention, and the next step, with flash attention over the cells copied
     into the shared memory, differs from that context's by rounding alone. Negative control: values copied
     without their transposition are another model's."""
@@ -478,8 +480,8 @@ def test_a_prompt_is_filled_as_llama_cpp_fills_it_without_flash_attention(draft,
     ours = step_after_prompt(llama.LlamaModel(draft.path, threads=2, n_ctx=2048), prompt)
     assert torch.equal(ours[0], first)
     near = float((ours[1] - after).abs().max())
-    read = llama_fill.parse
-    monkeypatch.setattr(llama_fill, "parse", lambda buf: untransposed(read(buf)))
+    read = state.parse
+    monkeypatch.setattr(state, "parse", lambda buf: untransposed(read(buf)))
     far = float((step_after_prompt(llama.LlamaModel(draft.path, threads=2, n_ctx=2048), prompt)[1] - after)
                 .abs().max())
     assert near < 1.0 < 5.0 < far, (near, far)
@@ -542,10 +544,10 @@ def test_the_prompt_memory_keeps_no_cell_in_the_shared_memory(draft):
     prompt = (PROMPT * 12)[:100]
     cache, _, _ = filled(ctx, prompt)
     del cache
-    ctx.release()
-    assert all(ctx.L.llama_memory_seq_pos_max(ctx.mem, s) < 0 for s in range(llama.MAX_SEQ))
+    ctx.cell_state.release()
+    assert all(ctx.memory.seq_pos_max(s) < 0 for s in range(cells.MAX_SEQ))
     cache, lent, _ = filled(ctx, prompt)
-    assert lent == 100 and ctx.L.llama_memory_seq_pos_max(ctx.mem, cache.base) == 99
+    assert lent == 100 and ctx.memory.seq_pos_max(cache.base) == 99
 
 
 def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
@@ -554,14 +556,14 @@ def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
     counted = []
     for calls in ("exact", "batched"):
         model = llama.LlamaModel(draft.path, threads=2, n_ctx=1024, calls=calls)
-        decode = model._decode
+        decode = model.decode
         n = [0]
 
         def one(*args, decode=decode, n=n):
             n[0] += 1
             return decode(*args)
 
-        monkeypatch.setattr(model, "_decode", one)
+        monkeypatch.setattr(model, "decode", one)
         cache = prefilled(model, PROMPT[:-1])
         n[0] = 0
         forward1(model, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))
@@ -597,9 +599,9 @@ def test_the_servers_warm_up_makes_the_prompt_context_and_leaves_no_request_stat
     from speculor.serving.app import warm_up
 
     ctx, fresh = (llama.LlamaModel(draft.path, threads=2, n_ctx=2048) for _ in range(2))
-    assert not ctx.sides
+    assert not ctx.prompt_contexts
     warm_up(Pair(ctx, fresh, None))
-    assert ctx.sides and fresh.sides and not ctx.prompts
+    assert ctx.prompt_contexts and fresh.prompt_contexts and not ctx.prompts
     cfg = SamplingConfig(max_new_tokens=6)
     prompt = (PROMPT * 3)[:40]
     assert [t.id for t in engine.stream(ctx, None, prompt, cfg)] == [t.id for t in engine.stream(

@@ -1,5 +1,5 @@
-"""calls="padded" (runtime/llama.py): every row in the 4-row kernels' blocks, so a row's bits are the same in calls
-of any size and with anything beside it. Its checks run in a fresh interpreter (tests/support/padded.py): ggml
+"""calls="padded" (runtime/llama/padded.py): every row in the 4-row kernels' blocks, so a row's bits are the same in
+calls of any size and with anything beside it. Its checks run in a fresh interpreter (tests/support/padded.py): ggml
 reads its tiled-matmul switch once per process."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from speculor.runtime.llama_padded import PAD, pad
+from speculor.runtime.llama.padded import PAD, pad
 
 SCRIPT = Path(__file__).parent / "support" / "padded.py"
 

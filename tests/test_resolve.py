@@ -45,9 +45,9 @@ def files(tmp_path) -> dict[str, str]:
 
 def llama_runs(monkeypatch, yes: bool = True) -> None:
     """Whether llama-cpp-python counts as installed, whatever is: the one thing auto's choice imports to check."""
-    from speculor.runtime import llama
+    from speculor.runtime.llama import model
 
-    monkeypatch.setattr(llama, "available", lambda: yes)
+    monkeypatch.setattr(model, "available", lambda: yes)
 
 
 def test_the_default_pair_on_each_backend_names_the_embedded_models(cache):

@@ -131,7 +131,8 @@ def test_near_draft_exercises_partial_acceptance(target, drafts):
 
 def test_speculor_api_generates_the_greedy_tokens(target, drafts, tokenizer):
     pair = Pair(Model(target), Model(drafts["near"]), tokenizer)
-    out = Speculor(pair, strategy="chain", k=3).generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))
+    out = Speculor(pair, strategy="chain", k=3).generate(PROMPTS[0],
+                                                         SamplingConfig(max_new_tokens=12, stop_on_eos=False))
     assert out.token_ids == reference_greedy(target, PROMPTS[0], 12)
     assert out.finish_reason == "length" and out.tau >= 1
     plain = Speculor(pair, strategy="plain").generate(PROMPTS[0], SamplingConfig(max_new_tokens=12, stop_on_eos=False))

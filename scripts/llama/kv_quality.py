@@ -19,8 +19,8 @@ from speculor.api import Speculor
 from speculor.bench import prompts as P
 from speculor.bench.prompts import sharegpt_records
 from speculor.config import SamplingConfig
-from speculor.runtime import llama
 from speculor.runtime.backend import forward1
+from speculor.runtime.llama import model as llama
 from speculor.runtime.prepare import gguf_file
 
 pair = load_pair(backend="llama.cpp", threads=2, draft=None)

@@ -1,4 +1,4 @@
-"""#36 must-show after the prompts' context (runtime/llama_fill.py): prefill of 500-2000-token prompts on the llama.cpp
+"""#36 must-show after the prompts' context (runtime/llama/fill.py): prefill of 500-2000-token prompts on the llama.cpp
 backend against llama-cpp-python's own (high-level Llama.eval, its defaults) on the same prompts, 2 threads, 4 rounds,
 the two interleaved and their order alternated round by round; the ratio is the median of the per-round ratios.
 Run: .venv/bin/python scripts/llama/prefill_fill.py (record: docs/bench/cpu-never-slower/prefill_fill_stop56.txt)"""

@@ -6,7 +6,7 @@ import sys
 import llama_cpp as L
 import numpy as np
 
-from speculor.runtime import llama_fill as fill
+from speculor.runtime.llama import state
 
 path = sys.argv[1]
 L.llama_backend_init()
@@ -29,7 +29,7 @@ def run(splits):
             b.seq_id[k][0] = 0
         b.n_tokens = e - s
         assert L.llama_decode(ctx, b) == 0
-    return fill.parse(fill.state_of(L, ctx, 0))
+    return state.parse(state.get_seq(L, ctx, 0))
 
 
 ref = run([0, 32, 64, 96, 100])

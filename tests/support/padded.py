@@ -10,8 +10,9 @@ import torch
 
 from speculor import SamplingConfig, Speculor, load_pair
 from speculor.engine import batch as batched_engine
-from speculor.runtime import llama, llama_padded
 from speculor.runtime.backend import Block, forward1
+from speculor.runtime.llama import model as llama
+from speculor.runtime.llama import padded
 from support.llama_rows import PARENTS, PATHS, PROMPT, TREE, alone, prefilled
 
 
@@ -65,9 +66,9 @@ def main() -> None:
     n = len(PROMPT) - 1
     out["classes_differ"] = not torch.equal(alone(exact, PROMPT, n), alone(target, PROMPT, n))
     if "--negative" in sys.argv:  # no padding: a lone row by the vector kernels, 4 of a tree's 6 by the block ones
-        llama_padded.pad = lambda rows, outputs: (0, 0)
+        padded.pad = lambda rows, outputs: (0, 0)
         out["tree_unpadded"] = tree_equals_alone(target, PROMPT)
-        llama_padded.pad = lambda rows, outputs: (0, -rows % llama_padded.PAD)  # rows padded, outputs not
+        padded.pad = lambda rows, outputs: (0, -rows % padded.PAD)  # rows padded, outputs not
         out["last_unpadded"] = last_equals_all(target)
     print(json.dumps(out))
 

@@ -135,7 +135,7 @@ def llama_generate(pair: Pair, prompt: list[int], cfg: SamplingConfig, eos_ids: 
                    lookup: bool = False) -> tuple[list[int], float, float]:
     """(new token ids, wall seconds prefill included, seconds to the first token: the prompt's evaluation) of
     llama.cpp's plain decoding of the target's GGUF, or with `lookup` its prompt-lookup drafting."""
-    from speculor.runtime.llama import quiet_llama
+    from speculor.runtime.llama.model import quiet_llama
     from speculor.runtime.prepare import gguf_file
 
     options = {}

@@ -76,7 +76,7 @@ def _feature_source(args: Args, dtype):
         for p in model.parameters():
             p.requires_grad_(False)
         return bd.HFSource(model, tokens_per_batch=args.tokens_per_batch), None
-    from speculor.runtime.llama import LlamaModel
+    from speculor.runtime.llama.model import LlamaModel
     from speculor.runtime.prepare import gguf_file
 
     threads = args.threads or torch.get_num_threads()

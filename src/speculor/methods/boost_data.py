@@ -139,7 +139,7 @@ class HFSource(FeatureSource):
 
 
 class BackendSource(FeatureSource):
-    """A GGUF target on the llama.cpp backend (runtime/llama.py, its embeddings output): one sequence at a time, in
+    """A GGUF target on the llama.cpp backend (runtime/llama/, its embeddings output): one sequence at a time, in
     chunks of `chunk` rows; greedy answers by the engine's plain decoding (this backend's own greedy tokens)."""
 
     def __init__(self, target, chunk: int = 256) -> None:

@@ -91,6 +91,9 @@ class Rows:
     hidden: torch.Tensor | None = None
 
 
+    def ratio(self, k: int) -> float | None: ...
+
+
 class Backend(Protocol):
     """Runs forward passes of one model over blocks of rows against per-request caches (module docstring)."""
 
@@ -107,7 +110,7 @@ class Backend(Protocol):
     call_times: CallTimes | None  # its calls' seconds by rows (runtime/cost.py), where a call's rows are few and
     # its cost grows with them (llama.cpp's exact calls); None: not timed
     min_chunk: int  # the fewest rows a prompt filled in chunks may end with (a shorter rest joins the chunk before):
-    # llama.cpp's 8, which its prompt calls take in one piece (runtime/llama_fill.py `parts`); torch's 1
+    # llama.cpp's 8, which its prompt calls take in one piece (runtime/llama/calls.py `parts`); torch's 1
     fill_rows: int  # the prompt rows a step may give the requests filling their prompts while none decodes, in whole
     # chunks (engine/batch.py `step`): llama.cpp's N_BATCH, whose prompt rows keep their bits in any calls on the
     # chunks' grid (docs/algorithms.md §10.5.2); 0 (one chunk a step) where that was not measured (torch)
@@ -149,7 +152,7 @@ class Pair:
     tokenizer: PreTrainedTokenizerBase
     target_name: str = ""
     draft_name: str = ""
-    backend: str = "torch"  # what runs the forwards: "torch" (runtime/model.py) or "llama.cpp" (runtime/llama.py)
+    backend: str = "torch"  # what runs the forwards: "torch" (runtime/model.py) or "llama.cpp" (runtime/llama/)
     draft_tokenizer: PreTrainedTokenizerBase | None = None  # a draft with another tokenizer (drafters/cross_vocab.py)
 
 

@@ -61,9 +61,9 @@ def torch_only(target: str, draft: str | None, device: str) -> str:
         return f"--device {device}: the llama.cpp backend runs on the CPU here"
     if not all(s in embedded.EMBEDDED or s.endswith(".gguf") for s in (target, draft) if s is not None):
         return "the llama.cpp backend runs GGUF files (an embedded model or a .gguf file), and this pair is not one"
-    from speculor.runtime import llama
+    from speculor.runtime.llama.model import available
 
-    if not llama.available():
+    if not available():
         return "the llama.cpp backend needs llama-cpp-python, which is not installed"
     return ""
 

@@ -1,6 +1,6 @@
-"""llama.cpp's sequence state rewritten between the two layouts of values (runtime/llama_fill.py), against the byte
-layout llama-kv-cache.cpp's state_write_data writes, and a prompt block's calls (`parts`); the prompts' context on the
-real GGUF is in tests/test_llama.py."""
+"""llama.cpp's sequence state (runtime/llama/state.py): the bytes rewritten between the two layouts of values, against
+the byte layout llama-kv-cache.cpp's state_write_data writes, a state of another format refused, and a llama-cpp-python
+whose format it does not know refused by name; the prompts' context on the real GGUF is in tests/test_llama.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from speculor.errors import SpeculorError
-from speculor.runtime.llama_fill import MAGIC, TILED, State, parse, parts, write
+from speculor.runtime.llama import state
+from speculor.runtime.llama.state import MAGIC, State, parse, write
 
 
 def u4(*x):
@@ -59,12 +60,20 @@ def test_values_of_a_block_type_are_refused():
     assert isinstance(parse(np.frombuffer(llama_state(False), np.uint8)), State)
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 32, 100, 511, 512, 513, 519, 520, 1024, 1027, 1100])
-def test_a_prompt_blocks_calls_start_at_multiples_of_4_and_the_last_has_8_rows(n):
-    """Calls of at most 512 rows covering 0..n in order, each starting at a multiple of 4, the last of TILED rows or
-    more whenever there are two (513 rows: 504 + 9, not 512 + 1); one call alone may be shorter."""
-    calls = parts(n, 512)
-    assert [i for r in calls for i in r] == list(range(n))
-    assert all(r.start % 4 == 0 and 0 < len(r) <= 512 for r in calls)
-    assert len(calls) == 1 or len(calls[-1]) >= TILED
-    assert len(calls) == -(-n // 512)
+def test_the_installed_llama_cpp_python_is_one_whose_format_is_known():
+    """The version the integration tests run (tests/test_llama.py reads and writes real states) is in KNOWN."""
+    assert state.version() is None or state.version() in state.KNOWN
+
+
+def test_an_unknown_llama_cpp_python_is_refused_at_the_first_parse(monkeypatch):
+    """Bytes from a llama.cpp this module does not know are not read: the error names the version and what to do;
+    writing bytes (no parse) is not refused, and a known version reads them again."""
+    good = np.frombuffer(llama_state(True), np.uint8)
+    monkeypatch.setattr(state, "version", lambda: "0.3.99")
+    said = r"llama-cpp-python 0\.3\.99 is installed.*pip install llama-cpp-python=="
+    with pytest.raises(SpeculorError, match=said) as e:
+        parse(good)
+    assert "--backend torch" in str(e.value) and "state.KNOWN" in str(e.value)
+    assert write(State(np.arange(0), [], []), 1, trans=False).size
+    monkeypatch.setattr(state, "version", lambda: state.KNOWN[0])
+    assert parse(good).pos.tolist() == [4, 5]
