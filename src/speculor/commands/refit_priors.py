@@ -53,7 +53,7 @@ def run(args: Args) -> None:
 
 def encoder(folder: Path) -> Callable:
     """A prompt's token ids as the bench gave them to the target: its chat template for a chat prompt, the raw text
-    otherwise (docs/bench/cpu-suffix/factor/replay.py)."""
+    otherwise (scripts/drafts/replay.py)."""
     from transformers import AutoTokenizer
 
     if not (folder / "tokenizer_config.json").exists() and not (folder / "tokenizer.json").exists():

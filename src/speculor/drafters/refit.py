@@ -6,17 +6,17 @@ depends only on the committed tokens) and what the target accepts of it can be r
 answer: the accepted path is the tree's longest chain equal to the next tokens of the answer, then one more token is
 committed (the recovered or bonus token). On a sampled answer a node counts as accepted where the sample took its
 token: the same in expectation as the point-mass rule's p(token). No model, no cost curve: pure Python over token ids
-(docs/bench/cpu-suffix/factor/replay.py, without its pricing).
+(scripts/drafts/replay.py, without its pricing).
 
     suffix.trust_0   suffix drafting at every match (budget K nodes, no cost curve, so no selection by trust):
                      accepted / Σ P per match-length bucket and node-depth class (drafters/suffix.py MATCH_EDGES,
                      DEPTH_EDGES), one strategy per run (its shared trie filling across the run's answers), as
-                     docs/bench/cpu-suffix/prior/depth_stats.py measured it; the prior is that table rounded to
+                     scripts/drafts/depth_stats.py measured it; the prior is that table rounded to
                      0.05 (TRUST_GRID), a class with no node drafted keeping its value
     ngram.prior      ngram (k tokens, n-grams of n down to 1) drafting its whole continuation at every match: per
                      matched length m, a = accepted / reached (a token reaches verification iff the ones before it
                      passed) and the share of steps whose first token was accepted, as
-                     docs/bench/cpu-suffix/ngram/ngram_stats.py measured it; measured only (the prior was picked by
+                     scripts/drafts/ngram_stats.py measured it; measured only (the prior was picked by
                      hand among replayed candidates: data/priors.json says so)
 """
 
