@@ -4,6 +4,8 @@ and with fixed trees the same sample for the same seed); the batch-aware budget 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from support.batch import PROMPTS, run_batch
@@ -69,7 +71,8 @@ def test_one_forward_gives_each_block_its_own_logits(pair):
 @pytest.mark.parametrize("root", [False, True])
 def test_batched_greedy_is_token_identical_to_each_request_alone(pair, monkeypatch, root):
     target, draft = pair
-    monkeypatch.setattr(target, "root_in_prompt", root)  # the first step scores the root, or the prompt's call
+    # the first step scores the root, or the prompt's call
+    monkeypatch.setattr(target, "traits", replace(target.traits, root_in_prompt=root))
     makers = [lambda: None, lambda: ChainDrafter(draft, 3), lambda: TreeDrafter(draft, [-1, -1, 0, 1, 2], "swor"),
               lambda: NgramDrafter(k=4)]
     cfgs = [SamplingConfig(max_new_tokens=n) for n in (10, 14, 7, 12)]
@@ -300,7 +303,7 @@ def test_a_joining_request_is_prefilled_in_chunks_without_stalling_the_running_o
     while the joiners fill their prompts (2 tokens a step: up to 5 steps for the 9-token prompt), asking for no
     logits but their last row's (the root's, where the prompt's call scores it: root_in_prompt)."""
     target, draft = pair
-    monkeypatch.setattr(target, "root_in_prompt", root)
+    monkeypatch.setattr(target, "traits", replace(target.traits, root_in_prompt=root))
     makers = [lambda: ChainDrafter(draft, 2), lambda: None, lambda: TreeDrafter(draft, [-1, -1, 0], "swor")]
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
     for cfgs in ([SamplingConfig(max_new_tokens=n) for n in (16, 6, 8)],
@@ -359,7 +362,7 @@ def test_prompts_take_more_chunks_a_step_while_none_decodes(pair, monkeypatch):
     assert batched_engine._chunk(req, 8, 3) == prompts[0][24:40]  # 4 left after 12: the rest joins the chunk
     # 16 rows: 8 each, then the short prompt decodes (4 a step for the long one), then the long one alone its rest
     for fill_rows, calls in ((16, [8, 8, 8, 1, 4, 4, 4, 4, 8]), (0, [4, 4, 4, 4, 4, 1] + [4] * 7)):
-        monkeypatch.setattr(target, "fill_rows", fill_rows)
+        monkeypatch.setattr(target, "traits", replace(target.traits, fill_rows=fill_rows))
         chunks: list[tuple[int, bool]] = []
         target.forward = _recording(target.forward, chunks)
         try:

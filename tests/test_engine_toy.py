@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def generate(target: ToyLM, draft: ToyLM | None, prompt: list[int], cfg: Samplin
     """engine.stream's tokens; root: the target scores the root in the prompt's last call (`root_in_prompt`)."""
     drafter = ChainDrafter(Model(draft), k) if draft is not None else None
     model = Model(target)
-    model.root_in_prompt = root
+    model.traits = replace(model.traits, root_in_prompt=root)
     return list(engine.stream(model, drafter, prompt, cfg, eos, stats))
 
 
@@ -58,7 +59,7 @@ def test_the_prompts_last_call_scores_the_root(target, draft, k):
     got = {}
     for root in (False, True):
         model = Model(target)
-        model.root_in_prompt = root
+        model.traits = replace(model.traits, root_in_prompt=root)
         rows: list[int] = []
         model.forward = counting(model.forward, rows)
         drafter = ChainDrafter(Model(draft), k) if k else None
@@ -169,7 +170,7 @@ def sample_counts(target: ToyLM, draft: ToyLM, cfg: SamplingConfig, m: int, seed
     """Counts [V]*N of the first N tokens over m seeded generations (the models reused, as a server would); root:
     the root scored in the prompt's call (`root_in_prompt`)."""
     t_model, drafter = Model(target), ChainDrafter(Model(draft), 2)
-    t_model.root_in_prompt = root
+    t_model.traits = replace(t_model.traits, root_in_prompt=root)
     counts = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):
         run = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=N,

@@ -5,6 +5,7 @@ runs computed by fills; negative controls that drop the mask at tree nodes."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def toy_target(seed: int = 0) -> ToyLM:
 
 def run(target, draft, cfg, grammars, constraint=ONE, k=2, root=False, prompt=PROMPT) -> list[int]:
     model = Model(target)
-    model.root_in_prompt = root
+    model.traits = replace(model.traits, root_in_prompt=root)
     drafter = ChainDrafter(Model(draft), k) if draft is not None else None
     return [t.id for t in engine.stream(model, drafter, prompt, cfg, frozenset({EOS}),
                                         grammar=state(grammars, constraint))]
@@ -130,7 +131,7 @@ def test_a_batch_gives_each_request_its_answer_alone(grammars):
     cfgs = [SamplingConfig(max_new_tokens=n) for n in (12, 5, 9)]
     alone = [run(target, draft, c, grammars, TWO, k=2, root=True, prompt=[i, 1]) for i, c in enumerate(cfgs)]
     model = Model(target)
-    model.root_in_prompt = True
+    model.traits = replace(model.traits, root_in_prompt=True)
     batch = [Active(engine.start(model, ChainDrafter(Model(draft), 2), [i, 1], c, prefill=False,
                                  grammar=state(grammars, TWO)), frozenset({EOS})) for i, c in enumerate(cfgs)]
     got: list[list[int]] = [[] for _ in batch]
@@ -234,7 +235,7 @@ N = 4
 
 def engine_counts(target, draft, m: int, root: bool) -> torch.Tensor:
     model, drafter = Model(target), ChainDrafter(Model(draft), 2)
-    model.root_in_prompt = root
+    model.traits = replace(model.traits, root_in_prompt=root)
     g = Grammars(ByteTokenizer(), V)
     counts = torch.zeros([V] * N, dtype=torch.float64)
     for i in range(m):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -345,7 +346,7 @@ def filled(ctx, tokens, chunk=32):
     j = lent
     while j < len(tokens):
         grid = (j // chunk + 1) * chunk
-        part = tokens[j:grid if len(tokens) - grid >= ctx.min_chunk else len(tokens)]
+        part = tokens[j:grid if len(tokens) - grid >= ctx.traits.min_chunk else len(tokens)]
         ready = Rows(forward1(ctx, cache, part, last=True).logits[-1:])
         cache.keep(list(range(len(part))))
         j += len(part)
@@ -395,7 +396,7 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monk
 
 def first_steps(ctx, req):
     """The root's logits from the prompt's last call (`root_in_prompt`), then the steps after their argmax."""
-    first = req.ready.logits[0]
+    first = req.root_result.logits[0]
     return [first, *steps_after(ctx, req.cache, int(first.argmax()))]
 
 
@@ -408,12 +409,12 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
     bit-equal. Negative control: a short last chunk (min_chunk 1) differs."""
     prompt, cfg = (PROMPT * 12)[:n], SamplingConfig(max_new_tokens=4)
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
-    assert ctx.root_in_prompt
+    assert ctx.traits.root_in_prompt
 
     def chunked(p):  # the step that fills the last chunk draws the first token at once: its logits seen there
         a = batched_engine.Active(engine.start(ctx, None, p, cfg, prefill=False), frozenset())
         seen, settle = [], batched_engine.settle
-        monkeypatch.setattr(batched_engine, "settle", lambda req, *x: seen.append(req.ready) or settle(req, *x))
+        monkeypatch.setattr(batched_engine, "settle", lambda req, *x: seen.append(req.root_result) or settle(req, *x))
         while a.req.unfilled:
             batched_engine.step(ctx, [a])
         monkeypatch.setattr(batched_engine, "settle", settle)
@@ -424,18 +425,18 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
 
     want = first_steps(ctx, engine.start(ctx, None, prompt, cfg))
     for rows in (llama.N_BATCH, 0):  # the whole prompt in one step, or a chunk a step
-        monkeypatch.setattr(ctx, "fill_rows", rows)
+        monkeypatch.setattr(ctx, "traits", replace(ctx.traits, fill_rows=rows))
         ctx.prompts.clear()
         assert equal(chunked(prompt), want)
     other = prompt[:30] + list(range(3000, 3000 + n - 30))  # its first 24 cells lent by the prompt memory
     lent, reuse = [], ctx.reuse
     monkeypatch.setattr(ctx, "reuse", lambda *a: lent.append(reuse(*a)) or lent[-1])
-    monkeypatch.setattr(ctx, "fill_rows", llama.N_BATCH)
+    monkeypatch.setattr(ctx, "traits", replace(ctx.traits, fill_rows=llama.N_BATCH))
     assert equal(chunked(other), first_steps(ctx, engine.start(ctx, None, other, cfg)))
     assert equal(chunked(prompt), want)  # the same prompt again: all its cells and its root's logits lent
     assert [k for k, _ in lent] == [24, n] and lent[0][1] is None and lent[1][1] is not None
-    monkeypatch.setattr(ctx, "fill_rows", 0)
-    monkeypatch.setattr(ctx, "min_chunk", 1)
+    monkeypatch.setattr(ctx, "traits", replace(ctx.traits, fill_rows=0))
+    monkeypatch.setattr(ctx, "traits", replace(ctx.traits, min_chunk=1))
     ctx.prompts.clear()
     assert not equal(chunked(prompt), want)
 

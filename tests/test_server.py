@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -530,7 +531,7 @@ def test_jobs_wait_for_room_in_a_shared_memory(pair: Pair, monkeypatch) -> None:
     is the one it gets alone."""
     sp = Speculor(pair)
     ids = [sp.encode(t) for t in TEXTS[:4]]
-    monkeypatch.setattr(pair.target, "cells", max(len(i) for i in ids) * 2 + 48, raising=False)
+    monkeypatch.setattr(pair.target, "traits", replace(pair.target.traits, cells=max(len(i) for i in ids) * 2 + 48))
     with live_server(create_app(pair, strategy="plain", max_batch=4)) as base, \
             httpx.Client(base_url=base, timeout=60) as http:
         answers: dict[int, str] = {}

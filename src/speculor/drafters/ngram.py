@@ -18,7 +18,7 @@ def make_ngram(pair: Pair, k: int = 8, n: int = 3, branches: int = 1, budget: st
     curve says pays (lookup.py); "k": always k. Default: k where the target's rows are cheap (torch), else auto
     (llama.cpp: t(n) grows with n)."""
     if budget is None:
-        budget = "k" if pair.target.cheap_rows else "auto"
+        budget = "k" if pair.target.traits.cheap_rows else "auto"
     if budget not in ("auto", "k"):
         raise SpeculorError(f"ngram's budget is 'auto' or 'k', got {budget!r}")
     NgramDrafter(k=k, n=n, branches=branches)  # validates the options

@@ -286,6 +286,6 @@ def make_suffix(pair: Pair, budget: int | str | None = None, max_depth: int = 24
     registry, module docstring). Default budget: DEFAULT_BUDGET where the target's rows are cheap (torch), else "auto"
     (llama.cpp: t(n) grows with n)."""
     if budget is None:
-        budget = DEFAULT_BUDGET if pair.target.cheap_rows else "auto"
+        budget = DEFAULT_BUDGET if pair.target.traits.cheap_rows else "auto"
     opts = SuffixOptions(budget, max_depth, min_prob, switch(shared, "shared"), max_tokens, max_spec_factor)
     return SuffixStrategy(opts, live_cost(pair) if opts.budget == "auto" else None, fallback)

@@ -43,7 +43,7 @@ def step(target: Backend, batch: Sequence[Active]) -> list[list[Token]]:
 
     A request still filling its prompt (`unfilled`, started with prefill=False) adds its next `chunk` prompt tokens
     to the same forward instead of a tree and emits nothing this step, but its first token where its last chunk
-    scored the root (`Request.ready`): a joining request slows the running ones by a chunk's rows a step instead
+    scored the root (`Request.root_result`): a joining request slows the running ones by a chunk's rows a step instead
     of stopping them for its whole prefill; while none decodes, the fillers share the backend's `fill_rows` in
     whole chunks. The calls start and end on one grid whatever else is in the batch. A backend with a prompt memory
     (runtime/backend.py `PromptMemory`) keeps each prompt once filled (and lent the chunks a new prompt starts
@@ -52,17 +52,18 @@ def step(target: Backend, batch: Sequence[Active]) -> list[list[Token]]:
     filling = [a for a in batch if a.req.unfilled]
     decoding = [a for a in batch if not a.req.unfilled]
     # while none decodes, the fillers share the backend's fill_rows in whole chunks (calls on the grid all the same)
-    chunks = {id(a): _chunk(a.req, target.min_chunk, 1 if decoding else
-                            max(1, target.fill_rows // max(len(filling), 1) // a.req.chunk)) for a in filling}
+    traits = target.traits
+    chunks = {id(a): _chunk(a.req, traits.min_chunk, 1 if decoding else
+                            max(1, traits.fill_rows // max(len(filling), 1) // a.req.chunk)) for a in filling}
     plan = BatchPlan(len(decoding), extra=sum(len(c) for c in chunks.values()))
     trees, draft_s = propose_all([a.req for a in decoding], plan)
-    drafted = [a.req.drafter is not None and a.req.ready is None for a in decoding]
+    drafted = [a.req.drafter is not None and a.req.root_result is None for a in decoding]
     share = draft_s / max(sum(drafted), 1)  # the drafting was shared
     # a chunk's logits: only its last row's (the root's, read by the first step, where the chunk ends with it), or
     # every row's hidden states for a drafter that reads them
     blocks = [Block(a.req.cache, chunks[id(a)], hidden=prompt_features(target, a.req),
                     last=not prompt_features(target, a.req)) for a in filling]
-    own = [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)]  # None: the root's result ready
+    own = [block(a.req, tree) for a, tree in zip(decoding, trees, strict=True)]  # None: scored by the prompt
     t1 = time.perf_counter()
     results = iter(target.forward(blocks + [b for b in own if b is not None]))
     t2 = time.perf_counter()
@@ -73,12 +74,12 @@ def step(target: Backend, batch: Sequence[Active]) -> list[list[Token]]:
             # prefill time nor cells to lend)
             a.req.stats.prefill_s += t2 - t1
             if memory and not a.req.unfilled:
-                memory.remember(a.req.cache, a.req.prompt, a.req.chunk, a.req.ready)
+                memory.remember(a.req.cache, a.req.prompt, a.req.chunk, a.req.root_result)
         emitted[id(a)] = []
     settled = [(a, tree, next(results) if b is not None else None, share if d else 0.0, t2 - t1)
                for a, tree, b, d in zip(decoding, trees, own, drafted, strict=True)]
     # a prompt whose last call scored its root: its first token in this step (no draft, no call: steps.settle)
-    settled += [(a, EMPTY, None, 0.0, 0.0) for a in filling if a.req.ready is not None]
+    settled += [(a, EMPTY, None, 0.0, 0.0) for a in filling if a.req.root_result is not None]
     for a, tree, out, d_s, v_s in settled:
         t = time.perf_counter()
         verdict = settle(a.req, tree, out)

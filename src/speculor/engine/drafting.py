@@ -138,14 +138,14 @@ def propose_all(reqs: Sequence[Request], plan: BatchPlan | None = None) -> tuple
     t0 = time.perf_counter()
     apart = any(r.drafter is not None and not r.cfg.greedy for r in reqs)
     trees = [EMPTY] * len(reqs)
-    forwarded = {i: _fast_forward(r) for i, r in enumerate(reqs) if r.drafter is not None and r.ready is None}
+    forwarded = {i: _fast_forward(r) for i, r in enumerate(reqs) if r.drafter is not None and r.root_result is None}
     for i, tree in forwarded.items():  # the grammar drafts where it knows the next bytes: the drafter rests
         trees[i] = tree
         if plan is not None and tree is not EMPTY:
             plan.rows[i], plan.tokens[i] = 1 + len(tree), 1.0 + len(tree)
-    drafting = [i for i in forwarded if trees[i] is EMPTY]  # ready: no draft
+    drafting = [i for i in forwarded if trees[i] is EMPTY]  # the prompt's call scored the root: no draft
     if plan is not None:
-        for i in (i for i, r in enumerate(reqs) if r.ready is not None):
+        for i in (i for i, r in enumerate(reqs) if r.root_result is not None):
             plan.rows[i] = 0  # its token from the prompt's call, no row
     for i in drafting:
         d = reqs[i].drafter
@@ -160,7 +160,7 @@ def propose_all(reqs: Sequence[Request], plan: BatchPlan | None = None) -> tuple
     for i, tree in zip(drafting, rounds(proposals, apart, joint, on_round), strict=True):
         trees[i] = tree
     for i, r in enumerate(reqs):  # under a grammar: each row's mask; at T = 0 the nodes it rules out cut
-        if r.grammar is not None and r.ready is None:
+        if r.grammar is not None and r.root_result is None:
             r.walk = replace(r.grammar.walk(trees[i], r.cfg.greedy), drafted=i in drafting)
             trees[i] = r.walk.tree
     return trees, time.perf_counter() - t0

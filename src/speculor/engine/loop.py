@@ -3,7 +3,7 @@
     drafter.propose(seq) -> DraftTree                                  (its draft forwards: engine/drafting.py)
     target.forward([Block(cache, [root] + tree.tokens, tree parents)]) -> Rows: logits per node
                                                                 (none where the prompt's last call scored the root,
-                                                                `Request.ready`: that step drafts nothing)
+                                                                `Request.root_result`: that step drafts nothing)
     verify_greedy / verify_sampled -> accepted path + recovered/bonus token
     cache.keep(root + path)      drafter.observe(verdict)      yield Token ...
 
@@ -47,7 +47,7 @@ def stream(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Sam
 
 def propose(req: Request) -> DraftTree:
     """The request's draft tree after its sequence (the empty tree for plain decoding and where the root's result
-    is `ready`; under a grammar, as it walked it), drafted with the kernels a batched step gives it
+    is `root_result`; under a grammar, as it walked it), drafted with the kernels a batched step gives it
     (engine/drafting.py), so a seed gives the same output alone and in a batch."""
     return propose_all([req])[0][0]
 

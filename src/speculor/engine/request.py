@@ -8,7 +8,8 @@ Glossary:
     fill      the prompt tokens the prefill puts in the target's cache: all, or all but the root (engine/steps.py)
     unfilled  of those, the ones not yet in the cache (a prompt filled chunk by chunk, or a forced run)
     chunk     the grid a prompt filled by batched steps is cut on (engine/batch.py)
-    ready     the root's result from the prompt's last call, where the backend scores it there: the first step's
+    root_result  the root's result from the prompt's last call, where the backend scores it there: the first
+                 step's
     forced    a token the grammar allows alone: emitted with no decision, its row filled like prompt text
 """
 
@@ -87,7 +88,7 @@ class Request:
     fill: int = 0
     unfilled: int = 0
     chunk: int = PREFILL_CHUNK
-    ready: Rows | None = None
+    root_result: Rows | None = None
     scores: list | None = None  # the last step's (logprob, top) per emitted token, with cfg.logprobs (`settle`)
     grammar: GrammarState | None = None  # its constraint's state (grammar/state.py), None: unconstrained
     walk: Walk | None = None  # this step's tree as the grammar sees it: its masks, and the drafter's node indices

@@ -2,13 +2,15 @@
 (engine/batch.py): start it (prefill), give its block, settle its verdict, emit its tokens.
 
     start(target, drafter, prompt, cfg)  -> Request, its prompt in the target's cache (or waiting for chunks)
-    block(req, tree)                      -> Block(cache, [root] + tree.tokens, block parents), None where `ready`
+    block(req, tree)                      -> Block(cache, [root] + tree.tokens, block parents), None where the
+                                             prompt's call scored the root (`root_result`)
     settle(req, tree, rows)               -> Verdict: the request's logits adjusted and masked, verified, the
                                              accepted path committed, the drafter told
     emit(req, tree, verdict, eos_ids)     -> (tokens, done): the path, the recovered/bonus token, a forced run
 
-Where the backend scores the root in the prompt's last call (`Backend.root_in_prompt`), the root's result is
-`ready` for the first step, which drafts nothing and forwards nothing: its token is the prompt call's. A grammar's
+Where the backend scores the root in the prompt's last call (`Traits.root_in_prompt`), the root's result is
+`root_result` for the first step, which drafts nothing and forwards nothing: its token is the prompt call's. A
+grammar's
 forced tokens join the sequence with no decision and wait for a fill (`refill`), computed alike in plain and
 speculative decoding, so both stay identical.
 """
@@ -34,7 +36,7 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
           stats: Stats | None = None, prefill: bool = True, grammar: GrammarState | None = None,
           chunk: int = PREFILL_CHUNK) -> Request:
     """A request after its prompt prefill: the target's cache holds every prompt token and the root's logits are
-    `ready` for the first step, where the backend scores the root in the prompt's last call (`root_in_prompt`);
+    `root_result` for the first step, where the backend scores the root in the prompt's last call (`root_in_prompt`);
     else the cache holds every prompt token but the root, which the first step scores. With prefill=False the
     batched steps fill the cache `chunk` tokens at a time (engine/batch.py), and a backend with a prompt memory
     lends it the cells of the chunks it starts with now, at its admission. Under a `grammar`, the tokens it forces
@@ -44,7 +46,7 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     t0 = time.perf_counter()
     req = Request(list(prompt), cfg, target.new_cache(), drafter, generator, stats, chunk=chunk, grammar=grammar,
-                  root_in_prompt=target.root_in_prompt)
+                  root_in_prompt=target.traits.root_in_prompt)
     if drafter is not None:
         drafter.reset()
     if grammar is not None:  # one token at least is the first step's
@@ -61,10 +63,10 @@ def start(target: Backend, drafter: Drafter | None, prompt: list[int], cfg: Samp
 def _borrow(memory: PromptMemory, req: Request) -> None:
     """The cells a prompt memory lends the request's prompt on its chunks' grid (the same prompt: all of them, and
     its last call's result, the root's: its first token comes at its first step, with no call)."""
-    lent, ready = memory.reuse(req.cache, req.prompt, req.chunk)
+    lent, root_result = memory.reuse(req.cache, req.prompt, req.chunk)
     req.unfilled -= lent
-    if ready is not None and req.fill == len(req.seq):
-        req.ready = ready
+    if root_result is not None and req.fill == len(req.seq):
+        req.root_result = root_result
 
 
 def fill(target: Backend, req: Request) -> None:
@@ -99,7 +101,7 @@ def prompt_features(target: Backend, req: Request) -> bool:
     """Whether a prompt's calls give the target's features: where the drafter reads them and the calls do not score
     the root (llama.cpp would output every row of the call, the root's through other kernels than a lone output
     row's: plain decoding's); a drafter then drafts once the root's parent has a feature (drafters/eagle.py)."""
-    return reads_features(req) and not target.root_in_prompt
+    return reads_features(req) and not target.traits.root_in_prompt
 
 
 def filled(req: Request, out: Rows, n: int) -> None:
@@ -111,13 +113,14 @@ def filled(req: Request, out: Rows, n: int) -> None:
     req.cache.keep(list(range(n)))
     req.unfilled -= n
     if not req.unfilled and req.fill == len(req.seq):
-        req.ready = Rows(out.logits[-1:])
+        req.root_result = Rows(out.logits[-1:])
 
 
 def block(req: Request, tree: DraftTree) -> Block | None:
     """What the target forwards for a request: its cache, [root] + the tree's tokens, their block parents (and
-    its last hidden states, for a drafter that reads them); None where the root's result is `ready` (no tree)."""
-    if req.ready is not None:
+    its last hidden states, for a drafter that reads them); None where the prompt's call scored the root
+    (`root_result`: no tree)."""
+    if req.root_result is not None:
         return None
     return Block(req.cache, torch.cat([torch.tensor(req.seq[-1:]), tree.tokens]), block_parents(tree.parents),
                  hidden=reads_features(req))
@@ -136,22 +139,23 @@ def keep_features(req: Request, start: int, out: Rows, rows: list[int] | None = 
 def settle(req: Request, tree: DraftTree, out: Rows | None) -> Verdict:
     """Verify a request's tree against the target's logits for it (`out`: the block's result), commit the accepted
     path, give the drafter the target's features of the root and the path (where it reads them), tell it. Where
-    the root's result is `ready` (out None, the empty tree): its token, committed already, told to no drafter."""
-    ready, req.ready = req.ready, None
-    out = ready if ready is not None else out
+    the root's result came with the prompt (`root_result`; out None, the empty tree): its token, committed already,
+    told to no drafter."""
+    scored, req.root_result = req.root_result, None  # the prompt's call scored the root
+    out = scored if scored is not None else out
     logits = out.logits
     check_finite(logits, "target")
     cfg = req.cfg
     logits = adjusted(logits, cfg, req.seq, req.produced, tree)  # the request's bias and penalties, row by row
     walk, req.walk = req.walk, None
-    if req.grammar is not None:  # the grammar's mask at every row (the root's alone where its result was ready)
+    if req.grammar is not None:  # the grammar's mask at every row (the root's alone where the prompt scored it)
         logits = masked(logits, walk.masks if walk is not None else req.grammar.allowed()[None])
     verdict = verify_greedy(tree, logits) if cfg.greedy else verify_sampled(tree, warp(logits, cfg), req.generator)
     rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted path, in block rows
     keep_features(req, len(req.seq) - 1, out, rows)
     if cfg.logprobs is not None:  # token path[j] was chosen at the row of its parent, the last token below the path
         req.scores = token_logprobs(logits, cfg, rows, [int(tree.tokens[j]) for j in verdict.path] + [verdict.token])
-    if ready is None:  # else the root is committed and no drafter proposed
+    if scored is None:  # else the root is committed and no drafter proposed
         req.cache.keep(rows)
         if req.drafter is not None and (walk is None or walk.drafted):  # told in its own tree's indices
             req.drafter.observe(len(req.seq), verdict if walk is None else

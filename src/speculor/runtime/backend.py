@@ -4,13 +4,12 @@ Everything above `runtime/` (drafters, engine, serving, bench) talks to a model 
 
     backend.forward(blocks)  -> per block its `Rows`: logits [n, V] (fp32, on the host), hidden [n, H] or None
     backend.new_cache()      -> a request's `Cache` (`keep(rows)` commits pending rows, `trim(n)` forgets from n on)
-    backend.context_length, backend.vocab_size, backend.eos_ids (its end tokens), backend.cells (the entries its
-    requests may hold together, None: no shared limit)
+    backend.context_length, backend.vocab_size, backend.eos_ids (its end tokens)
     backend.device, backend.hidden_size, backend.embedding() (what a head over its features reads)
-    backend.cost_key, backend.weights (what its measured cost curve depends on), backend.cheap_rows (whether a few
-    more rows in a forward cost little: strategies' default budgets), backend.min_chunk (the fewest rows a prompt
-    filled in chunks may end with), backend.fill_rows (the prompt rows a step may fill while none decodes),
-    backend.root_in_prompt (whether a prompt's last call scores its last token, the first tree's root)
+    backend.cost_key, backend.weights (what its measured cost curve depends on), backend.kernel_s and
+    backend.call_times (its kernels' seconds, its calls' by rows, where it counts them)
+    backend.traits           -> `Traits`: the facts the engine's policy reads (shared cells, the cost of rows,
+                                how prompts are cut into chunks, whether a prompt's call scores the root)
 
 A `Block` is one request's new rows against that request's cache: tokens with parents inside the block (-1 =
 attends only to the cache), a chain for a prompt, [root] + nodes for a draft tree. One call may carry many
@@ -94,6 +93,26 @@ class Rows:
     def ratio(self, k: int) -> float | None: ...
 
 
+@dataclass(frozen=True)
+class Traits:
+    """What the engine's policy reads of a backend, fixed when it is made (its defaults: torch's `Model`)."""
+
+    cells: int | None = None  # the entries every live request's cache may hold together (llama.cpp's one shared
+    # memory: a server admits by it); None: each request's cache is its own
+    cheap_rows: bool = True  # whether a few more rows in a forward cost little beside the forward (torch: t(n)
+    # nearly flat for the rows a draft adds); False: t(n) grows with n (llama.cpp's CPU kernels), so strategies'
+    # default budgets are sized by t(n)
+    min_chunk: int = 1  # the fewest rows a prompt filled in chunks may end with (a shorter rest joins the chunk
+    # before): llama.cpp's TILED, which its prompt calls take in one piece (runtime/llama/calls.py `parts`)
+    fill_rows: int = 0  # the prompt rows a step may give the requests filling their prompts while none decodes, in
+    # whole chunks (engine/batch.py `step`): llama.cpp's N_BATCH, whose prompt rows keep their bits in any calls on
+    # the chunks' grid (docs/algorithms.md §10.5.2); 0: one chunk a step
+    root_in_prompt: bool = False  # whether the prompt's last call also gives its last token's logits, the first
+    # step's root (engine/steps.py `start`): llama.cpp, where that row has the same bits however the prompt was cut
+    # into calls on the grid (§10.5.2), as llama.cpp itself does, saving a call a request; False: the first step
+    # scores the root (torch, whose rows' bits depend on their call's size: its fp32 records stay bit for bit)
+
+
 class Backend(Protocol):
     """Runs forward passes of one model over blocks of rows against per-request caches (module docstring)."""
 
@@ -102,22 +121,10 @@ class Backend(Protocol):
     eos_ids: frozenset[int]  # the model's own end-of-sequence tokens
     device: torch.device  # where its forwards run (its results are on the host whatever it is)
     weights: str  # the number format its weights run in: a torch dtype's name ("float32"), or "gguf" (llama.cpp's)
-    cells: int | None  # the entries every live request's cache may hold together (llama.cpp's one shared memory),
-    # None: each request's cache is its own (torch)
-    cheap_rows: bool  # whether a few more rows in a forward cost little beside the forward (torch: t(n) nearly flat
-    # for the rows a draft adds); False: t(n) grows with n (llama.cpp's CPU kernels), so a budget is sized by t(n)
+    traits: Traits  # what the engine's policy reads of it
     kernel_s: float | None  # seconds spent in its own kernels so far (llama.cpp's llama_decode), None: not counted
     call_times: CallTimes | None  # its calls' seconds by rows (runtime/cost.py), where a call's rows are few and
     # its cost grows with them (llama.cpp's exact calls); None: not timed
-    min_chunk: int  # the fewest rows a prompt filled in chunks may end with (a shorter rest joins the chunk before):
-    # llama.cpp's 8, which its prompt calls take in one piece (runtime/llama/calls.py `parts`); torch's 1
-    fill_rows: int  # the prompt rows a step may give the requests filling their prompts while none decodes, in whole
-    # chunks (engine/batch.py `step`): llama.cpp's N_BATCH, whose prompt rows keep their bits in any calls on the
-    # chunks' grid (docs/algorithms.md §10.5.2); 0 (one chunk a step) where that was not measured (torch)
-    root_in_prompt: bool  # whether the prompt's last call also gives its last token's logits, the first step's root
-    # (engine/steps.py `start`): llama.cpp, where that row has the same bits however the prompt was cut into calls on
-    # the grid (§10.5.2), as llama.cpp itself does, saving a call a request; False: the first step scores the root
-    # (torch: the fp32 greedy records are kept bit for bit, and a torch row's bits depend on its call's size)
 
     @property
     def hidden_size(self) -> int:
@@ -160,7 +167,7 @@ class Pair:
 class PromptMemory(Protocol):
     """A backend that keeps the cells of the prompts it filled chunk by chunk and lends them to a later prompt that
     starts with the same chunks (llama.cpp's shared memory): the same calls over the same tokens, so the same bits.
-    A prompt kept with its last call's result (`ready`: the root's, `root_in_prompt`) lends the same prompt all its
+    A prompt kept with its last call's result (the root's: `Traits.root_in_prompt`) lends the same prompt all its
     cells and that result: how many cells `reuse` lent, and the result where they are the whole prompt."""
 
     def remember(self, cache: Cache, tokens: list[int], chunk: int, ready: Rows | None = None) -> None: ...

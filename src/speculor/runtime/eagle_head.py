@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from speculor.config import check_int
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Block, Rows
+from speculor.runtime.backend import Block, Rows, Traits
 from speculor.runtime.pending import PendingRows
 
 FP32_KEYS = ("f_mu", "f_sigma", "e_mu", "e_sigma")  # kept in fp32 when saved: means ~100 beside stds ~0.2
@@ -245,9 +245,8 @@ class HeadModel:
         self.device = head.ids.device
         self.weights = str(head.out.weight.dtype).removeprefix("torch.")
         self.hidden_size = head.cfg.hidden_size
-        self.cells, self.cheap_rows, self.kernel_s = None, True, None  # a request's cache is its own; not counted
-        self.call_times = None
-        self.min_chunk, self.fill_rows, self.root_in_prompt = 1, 0, False
+        self.traits = Traits()  # a request's cache is its own
+        self.kernel_s = self.call_times = None  # not counted
         self.shared = self
         self.ids = head.ids.cpu()
 
@@ -328,9 +327,8 @@ class HeadView:
         self.model, self.store, self.shared = model, store, model
         self.vocab_size, self.context_length = model.vocab_size, model.context_length
         self.eos_ids, self.device, self.weights = model.eos_ids, model.device, model.weights
-        self.hidden_size, self.cells, self.cheap_rows, self.kernel_s = model.hidden_size, None, True, None
-        self.call_times = None
-        self.min_chunk, self.fill_rows, self.root_in_prompt = model.min_chunk, model.fill_rows, model.root_in_prompt
+        self.hidden_size, self.traits = model.hidden_size, model.traits
+        self.kernel_s = self.call_times = None
 
     @property
     def cost_key(self) -> str:

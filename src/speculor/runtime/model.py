@@ -20,7 +20,7 @@ import torch
 
 from speculor.core.tree import attention_mask, position_ids
 from speculor.runtime import batched
-from speculor.runtime.backend import Block, Rows, Segment, fit_vocab
+from speculor.runtime.backend import Block, Rows, Segment, Traits, fit_vocab
 from speculor.runtime.cache import KVCache
 from speculor.runtime.kernels import linear_kinds
 from speculor.runtime.layers import layer_windows
@@ -49,11 +49,8 @@ class Model:
         self.windows = layer_windows(model.config)  # per layer: None (full attention) or its sliding window
         self.batched = batched.enable(model)  # blocks run through `_stacked` (several requests in one forward)
         self.lean = LeanDecoder(model) if lean else None
-        self.cells = None  # every request's cache is its own
-        self.cheap_rows = True  # the rows a draft adds cost little beside the forward (fp32 on a CPU, a GPU)
+        self.traits = Traits()  # own caches, cheap rows, one chunk a step, the first step scores the root
         self.kernel_s = self.call_times = None  # not counted, not timed
-        self.min_chunk, self.fill_rows = 1, 0  # no floor on a prompt's last chunk, one chunk a step (engine/batch.py)
-        self.root_in_prompt = False  # the first step scores the root (runtime/backend.py)
 
     @property
     def hidden_size(self) -> int:

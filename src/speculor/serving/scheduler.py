@@ -226,7 +226,7 @@ class Scheduler:
     def _fits(self, job: Job) -> bool:
         """Whether the job's prompt and longest answer fit beside the running jobs' in a target whose requests share
         one memory of `cells` (llama.cpp's); a job that runs alone always does (its length was checked)."""
-        cells = self.sp.pair.target.cells
+        cells = self.sp.pair.target.traits.cells
         size = lambda j: len(j.prompt) + j.cfg.max_new_tokens  # noqa: E731
         return cells is None or not self.running or sum(size(r.job) for r in self.running) + size(job) <= cells
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from speculor.errors import SpeculorError
-from speculor.runtime.backend import Block, Rows, fit_vocab
+from speculor.runtime.backend import Block, Rows, Traits, fit_vocab
 from speculor.runtime.call_times import CallTimes
 from speculor.runtime.gguf_rows import GGUFRows
 from speculor.runtime.llama import fill, padded
@@ -122,7 +122,6 @@ class LlamaModel:
         self.vocab_size = vocab_size or self.n_vocab
         self.context_length = n_ctx
         self.size = lib.llama_n_ctx(self.ctx)  # cells of the memory
-        self.cells = self.size - RESERVE  # what live requests' contexts may hold together (a server admits by it)
         self.memory = LlamaMemory(lib, self.ctx)
         self.cell_state = Cells(self.memory, self.size, RESERVE)  # the one owner of the memory's cells
         self.prompts = Prompts(self.cell_state.read)  # the prompt memory (runtime/llama/prompts.py)
@@ -131,8 +130,10 @@ class LlamaModel:
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
         self.call_times = CallTimes(EXACT_ROWS) if calls == "exact" else None  # a tree's calls (runtime/cost.py)
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
-        self.cheap_rows, self.min_chunk, self.fill_rows = False, TILED, N_BATCH  # t(n) grows with n; `parts`
-        self.root_in_prompt = True  # the prompt's last row keeps its bits in any calls on the grid (`lendable`)
+        # t(n) grows with n; a prompt's last call has TILED rows at least (`parts`); its last row keeps its bits in
+        # any calls on the grid (`lendable`); live requests' contexts hold the memory's cells but RESERVE together
+        self.traits = Traits(cells=self.size - RESERVE, cheap_rows=False, min_chunk=TILED, fill_rows=N_BATCH,
+                             root_in_prompt=True)
         self.batch = lib.llama_batch_init(N_BATCH, 0, MAX_SEQ)
         self.prompt_contexts: list[fill.PromptContext] = []  # the prompts' context, made at the first prompt
         weakref.finalize(self, _free, lib, self.model, self.ctx, self.batch, self.prompt_contexts)
