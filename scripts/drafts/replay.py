@@ -28,10 +28,9 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from speculor.bench import prompts as sets
-from speculor.config import SamplingConfig
-from speculor.core.verify import Verdict
 from speculor.drafters import lookup, suffix
 from speculor.drafters.base import Shared
+from speculor.drafters.refit import replay as steps
 from speculor.runtime.call_times import CallTimes
 from speculor.runtime.cost import CostModel, Measured
 
@@ -63,37 +62,23 @@ def plain_runs(tok, questions: str, files: list[str], temperature: float = 0.0) 
 
 
 def replay(drafter, prompt: list[int], out: list[int], cost, calls: CallTimes | None = None, on_step=None) -> float:
-    """Seconds of the drafter's steps over `out` (module docstring); `calls`: each step's calls timed there;
-    `on_step(drafter, tokens, path)` sees each step's tree and its accepted path."""
-    drafter.reset()
-    seq, i, t = list(prompt), 0, 0.0
-    while i < len(out):
-        gen = drafter.propose(seq, SamplingConfig(), None)
-        try:
-            next(gen)
-            raise RuntimeError("a model-free drafter asked for a forward")
-        except StopIteration as stop:
-            tree = stop.value
-        toks, parents = tree.tokens.tolist(), tree.parents.tolist()
-        path, node, j = [], -1, i
-        while j < len(out):
-            kid = next((c for c in range(len(toks)) if parents[c] == node and toks[c] == out[j]), None)
-            if kid is None:
-                break
-            path.append(kid)
-            node, j = kid, j + 1
+    """Seconds of the drafter's steps over `out` (module docstring; the steps: speculor.drafters.refit.replay);
+    `calls`: each step's calls timed there; `on_step(drafter, tokens, path)` sees each step's tree and its accepted
+    path."""
+    seconds = 0.0
+
+    def timed(d, toks: list[int], path: list[int]) -> None:
+        nonlocal seconds
         if on_step is not None:
-            on_step(drafter, toks, path)
-        t += cost.t_target(1 + len(toks))
+            on_step(d, toks, path)
+        seconds += cost.t_target(1 + len(toks))
         if calls is not None:
             q, r = divmod(1 + len(toks), 3)
             for k in [3] * q + [r] * (r > 0):
                 calls.add(k, cost.t_target(k))
-        drafter.observe(len(seq), Verdict(path, out[j] if j < len(out) else 0))
-        n = min(len(path) + 1, len(out) - i)
-        seq += out[i : i + n]
-        i += n
-    return t
+
+    steps(drafter, prompt, out, timed)
+    return seconds
 
 
 def main() -> None:
