@@ -145,10 +145,10 @@ class _Server:
     def context_length(self) -> int:
         return self.sp.pair.target.context_length
 
-    def check_ids(self, ids: list[int]) -> None:
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
         vocab = self.sp.pair.target.vocab_size
         if any(not 0 <= i < vocab for i in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise APIError(400, f"{param} token ids must be in [0, {vocab})", param=param)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -318,7 +318,7 @@ class _Server:
         return {"tokens": [{"id": i, "piece": llama_api.piece(tok, i)} for i in ids] if req.with_pieces else ids}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
-        self.check_ids(req.tokens)
+        self.check_ids(req.tokens, "tokens")
         return {"content": self.sp.pair.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def props(self) -> dict[str, Any]:
