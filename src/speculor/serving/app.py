@@ -301,7 +301,7 @@ class _Server:
         job = (await self.submit(oa, False))[0]
         tok = self.sp.pair.tokenizer
         out = llama_api.Answer(self.model, tok.decode(job.prompt, skip_special_tokens=False), len(job.prompt),
-                          llama_api.settings(oa, self.context_length()), req.return_tokens)
+                               llama_api.settings(oa, self.context_length()), req.return_tokens)
         if req.stream:
             return EventStream(out.events(job), job.cancel.set)
         watcher = asyncio.create_task(watch_disconnect(request, [job]))
@@ -329,9 +329,9 @@ class _Server:
         params = llama_api.settings(llama_api.as_completion(LlamaCompletion(prompt=""), self.n_predict), n_ctx)
         return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
                 "total_slots": self.scheduler.max_batch, "model_path": self.sp.pair.target_name or self.model,
-                "model_alias": self.model, "chat_template": template or "", "bos_token": tok.bos_token or "",
-                "eos_token": tok.eos_token or "", "modalities": {"vision": False, "audio": False},
-                "build_info": "speculor"}
+                "model_alias": self.model, "chat_template": (template or "").removesuffix("\n"),  # as Jinja reads it
+                "bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "",
+                "modalities": {"vision": False, "audio": False}, "build_info": "speculor"}
 
     async def health(self) -> dict[str, Any]:
         s = self.scheduler
