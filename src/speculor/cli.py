@@ -15,6 +15,7 @@ from speculor.commands import (
     calibrate,
     fetch_models,
     generate,
+    llama_flags,
     loadtest,
     profile,
     refit_priors,
@@ -30,10 +31,14 @@ SETS_HELP = ("prompt sets, comma-separated: mtbench, humaneval, sharegpt, code-e
              "line)")
 
 
-def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto") -> None:
-    """The pair's options; backend: --backend's default (torch for the commands that need transformers' models)."""
-    p.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf file")
-    p.add_argument("--draft", default="default", help="draft model: 'default', a folder, a .gguf file, 'none'")
+def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto", llama: bool = False) -> None:
+    """The pair's options; backend: --backend's default (torch for the commands that need transformers' models);
+    llama: also under llama-server's spellings (`speculor serve`)."""
+    spell = (lambda *names: names) if llama else (lambda *names: ())  # noqa: E731
+    p.add_argument("--target", *spell("-m", "--model"), default="default",
+                   help="target model: 'default', a folder, a .gguf file")
+    p.add_argument("--draft", *spell("-md", "--model-draft", "--spec-draft-model"), default="default",
+                   help="draft model: 'default', a folder, a .gguf file, 'none'")
     why = ("; this command trains or tunes on the draft's transformers model" if backend == "torch" else
            "; measured once per machine and cached, nothing measured where only torch can run the pair (--device "
            "cuda, a model that is not GGUF)")
@@ -42,7 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto") -> None:
                    "cost curves predict fastest; it says on stderr what it chose), torch (transformers; the fp32 "
                    "reference, and the GPU), llama.cpp (the GGUF files on llama.cpp's own quantized kernels). Output "
                    "is exact against the chosen backend's own plain decoding")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads of either backend (default: torch's)")
+    p.add_argument("--threads", *spell("-t"), type=int, default=None,
+                   help="CPU threads of either backend (default: torch's)")
     p.add_argument("--calls", choices=("exact", "padded", "batched"), default="exact",
                    help="llama.cpp's calls: exact (default; every row gets the bits of a one-row call, so speculative "
                    "output is plain decoding's and no answer depends on what shares its batch), padded (the same "
@@ -206,14 +212,51 @@ def _add_profile_parser(sub) -> None:
 
 def _add_serve_parser(sub) -> None:
     """`speculor serve`."""
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--host", default="127.0.0.1")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (a drop-in for llama-server)",
+                       description="OpenAI-compatible HTTP server, also answering llama-server's /completion, "
+                       "/tokenize, /detokenize and /props. llama-server's spellings of the same settings are taken as "
+                       "aliases (-m, -md, -c, -np, -t, -tb, -n, -a, --jinja, --api-key, --api-key-file, "
+                       "--ssl-key-file, --ssl-cert-file, -to); any other llama-server flag is an error naming it.")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1); any other than "
+                   "the loopback without an API key is warned about")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--queue-size", type=int, default=64)
-    s.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (continuous batching)")
+    s.add_argument("--max-batch", "-np", "--parallel", type=int, default=16,
+                   help="most requests decoded together (continuous batching; llama-server's slots)")
+    s.add_argument("--context", "-c", "--ctx-size", type=int, default=None, metavar="N",
+                   help="the most tokens a request's prompt and answer hold (llama.cpp: also the cells of the KV "
+                   "memory all requests share; default: the backend's, 16384 on llama.cpp)")
+    s.add_argument("--n-predict", "-n", "--predict", type=int, default=None, metavar="N",
+                   help="new tokens of a request that gives no max_tokens / n_predict (default, or -1: each route's "
+                   "own: 16 for /v1/completions, the rest of the context elsewhere)")
+    s.add_argument("--alias", "-a", default=None, help="the model name the server reports (default: the target's)")
+    s.add_argument("--threads-batch", "-tb", type=int, default=None, metavar="N",
+                   help="llama-server's prompt threads: taken only equal to --threads (one thread count here)")
+    s.add_argument("--jinja", action="store_true", help="taken, as llama-server's: the model's chat template always "
+                   "applies (Jinja)")
+    _add_network_args(s)
     _add_strategy_args(s)
-    _add_model_args(s)
+    _add_model_args(s, llama=True)
     _add_ray_args(s)
+
+
+def _add_network_args(s: argparse.ArgumentParser) -> None:
+    """`speculor serve`'s network safety (serving/security.py); llama-server's spellings where it has them."""
+    n = s.add_argument_group("network safety", "API keys, TLS and the limits on slow or large requests")
+    n.add_argument("--api-key", action="append", default=None, metavar="KEY", help="every route but /health then "
+                   "needs 'Authorization: Bearer KEY' (comma-separated keys, or repeated; never logged)")
+    n.add_argument("--api-key-file", default=None, metavar="FILE", help="API keys, one a line (# comments)")
+    n.add_argument("--ssl-key-file", "--ssl-keyfile", dest="ssl_keyfile", default=None, metavar="FILE",
+                   help="TLS: the PEM private key (with --ssl-cert-file)")
+    n.add_argument("--ssl-cert-file", "--ssl-certfile", dest="ssl_certfile", default=None, metavar="FILE",
+                   help="TLS: the PEM certificate")
+    n.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="a request body over N bytes is refused, 413 (default: 4 MiB)")
+    n.add_argument("--timeout", "-to", type=float, default=None, metavar="S",
+                   help="seconds a request body may take to arrive (else 408) and a write may wait for the client to "
+                   "read (else it is cut off and its generation cancelled) (default: 60)")
+    n.add_argument("--timeout-keep-alive", type=float, default=None, metavar="S",
+                   help="an idle kept-alive connection is closed after S seconds (default: uvicorn's, 5)")
 
 
 def _add_loadtest_parser(sub) -> None:
@@ -382,9 +425,26 @@ COMMANDS = {"generate": generate.run, "bench": bench.run, "calibrate": calibrate
             "loadtest": loadtest.run, "toolbench": toolbench.run}
 
 
+def _unhonoured(ap: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The first llama-server flag that `speculor serve` does not honour in `argv` (serve's command line), if any."""
+    if argv[:1] != ["serve"]:
+        return None
+    commands_ = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    serve_ = commands_.choices["serve"]
+    takes_value = {o for a in serve_._actions if a.nargs != 0 for o in a.option_strings}
+    return llama_flags.unhonoured(argv[1:], takes_value)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (a manifest records its command)
+    given = list(sys.argv[1:] if argv is None else argv)  # as given (a manifest records its command)
+    ap = _parser()
+    if flag := _unhonoured(ap, given):
+        print(f"speculor: error: {flag} is a llama-server flag that `speculor serve` does not honour (no flag is "
+              f"ignored silently): leave it out. Honoured: -m, -md, -c, -np, -t, -tb, -n, -a, --host, --port, --jinja, "
+              "--api-key, --api-key-file, --ssl-key-file, --ssl-cert-file, -to", file=sys.stderr)
+        return 2
+    args = ap.parse_args(given)
+    args.argv = given
     try:
         COMMANDS[args.command](args)
     except SpeculorError as exc:

@@ -40,7 +40,7 @@ RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests
 
 # the pair's options as the command line and RaySettings name them (`PairSpec.named`), with their defaults
 PAIR_OPTIONS = {"backend": "auto", "device": "cpu", "dtype": "auto", "kernels": "fast", "threads": None,
-                "calls": "exact", "draft_vocab": None, "offload": False}
+                "calls": "exact", "draft_vocab": None, "offload": False, "context": None}
 
 
 def check_options(strategy: str, options: dict) -> None:

@@ -29,7 +29,12 @@ def load(prepared: Prepared) -> Pair:
     """The pair of a prepared plan, on its backend."""
     if prepared.plan.threads is not None:
         torch.set_num_threads(prepared.plan.threads)
-    return (_llama_pair if prepared.plan.backend == "llama.cpp" else _torch_pair)(prepared)
+    pair = (_llama_pair if prepared.plan.backend == "llama.cpp" else _torch_pair)(prepared)
+    if prepared.plan.context is not None:  # torch: the models' own limit capped (llama.cpp's context is made so)
+        for model in (pair.target, pair.draft):
+            if model is not None:
+                model.context_length = min(model.context_length, prepared.plan.context)
+    return pair
 
 
 def read_model(files: Files, name: str, *, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -141,12 +146,13 @@ def _llama_pair(prepared: Prepared) -> Pair:
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise SpeculorError(f"could not read the tokenizer of {plan.target.name!r} (corrupt or unsupported file?): "
                             f"{exc}") from exc
-    t_lm = LlamaModel(prepared.target.path, threads=threads, calls=plan.calls)
+    n_ctx = {} if plan.context is None else {"n_ctx": plan.context}  # the KV memory's cells, each request's limit
+    t_lm = LlamaModel(prepared.target.path, threads=threads, calls=plan.calls, **n_ctx)
     d_lm = None
     if prepared.draft is not None:
         # a draft's bits need no class: its cheapest load-free one
         d_calls = "exact" if plan.calls == "padded" else plan.calls
-        d_lm = LlamaModel(prepared.draft.path, threads=threads, vocab_size=t_lm.vocab_size, calls=d_calls)
+        d_lm = LlamaModel(prepared.draft.path, threads=threads, vocab_size=t_lm.vocab_size, calls=d_calls, **n_ctx)
         if d_lm.vocabulary() != t_lm.vocabulary():
             raise SpeculorError(f"the draft's vocabulary differs from the target's ({d_lm.n_vocab} vs {t_lm.n_vocab} "
                                 "tokens); on llama.cpp the draft needs the target's tokenizer (a draft with another "

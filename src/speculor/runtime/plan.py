@@ -20,6 +20,8 @@ from speculor.runtime import embedded
 from speculor.runtime.draft_vocab import check_size as draft_vocab_check
 from speculor.runtime.spec import PairSpec
 
+LLAMA_MIN_CONTEXT = 1024  # runtime/llama.py's RESERVE (512 cells kept free for a step) and as much for the requests
+
 
 @dataclass(frozen=True)
 class Source:
@@ -50,6 +52,7 @@ class Plan:
     draft_vocab: int | None = None
     lean_draft: bool = True
     offload: bool = False
+    context: int | None = None
 
 
 def locate(spec: str) -> Source:
@@ -106,6 +109,9 @@ def _check_llama(spec: PairSpec) -> None:
                             "--backend torch")
     if spec.draft_vocab:
         raise SpeculorError("--draft-vocab restricts a torch draft's head: use --backend torch")
+    if spec.context is not None and spec.context < LLAMA_MIN_CONTEXT:
+        raise SpeculorError(f"the llama.cpp backend needs a context (--ctx-size) of at least {LLAMA_MIN_CONTEXT} "
+                            f"tokens (its KV memory keeps a step's 512 cells free), got {spec.context}")
 
 
 def make_plan(spec: PairSpec) -> Plan:
@@ -121,4 +127,4 @@ def make_plan(spec: PairSpec) -> Plan:
     return Plan(find(target), None if draft is None else find(draft), spec.backend, device=spec.device,
                 dtype=spec.dtype, threads=spec.threads, calls=spec.calls, packed=spec.packed,
                 draft_int8=spec.draft_int8, draft_vocab=spec.draft_vocab, lean_draft=spec.lean_draft,
-                offload=spec.offload)
+                offload=spec.offload, context=spec.context)

@@ -47,6 +47,9 @@ class PairSpec:
     "Joined projections").
     offload: keep the target's weights in pinned CPU memory and stream them to `device` for each forward
     (load.py's `offload_to`).
+    context: the most tokens a request's context holds (prompt and answer; llama-server's `-c`). llama.cpp: also the
+    cells of the KV memory every request shares (default: runtime/llama.py's N_CTX); torch: the model's own limit,
+    capped at it. None: the backend's own.
     """
 
     target: str = "default"
@@ -62,12 +65,15 @@ class PairSpec:
     backend: str = "auto"
     threads: int | None = None
     calls: str = "exact"
+    context: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise SpeculorError(f"unknown backend {self.backend!r}: give one of {', '.join(BACKENDS)}")
         if self.threads is not None and self.threads < 1:
             raise SpeculorError(f"--threads must be at least 1, got {self.threads}")
+        if self.context is not None and self.context < 16:
+            raise SpeculorError(f"the context (--ctx-size) must be at least 16 tokens, got {self.context}")
 
     @classmethod
     def of(cls, spec: PairSpec | str = "default", *args: Any, **options: Any) -> PairSpec:

@@ -1,12 +1,14 @@
 """OpenAI-compatible HTTP server: `create_app(pair)` builds a FastAPI app, `serve(pair)` runs it with uvicorn.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events in the OpenAI format), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+events in the OpenAI format), GET /v1/models, GET /health, GET /metrics (Prometheus text format); and llama-server's
+own, answered as it answers them (serving/llama_api.py): POST /completion, POST /tokenize, POST /detokenize, GET /props.
 
 Request fields follow the OpenAI API, with these choices:
 
 * `temperature` defaults to 1.0 as in OpenAI (0 = greedy); `top_p` to 1.0; `top_k` (extension) to 0 = off.
-* `max_tokens` defaults to 16 for /v1/completions (as in OpenAI) and, for chat, to the rest of the context.
+* `max_tokens` defaults to the server's `n_predict` (llama-server's `-n`) where it has one, else to 16 for
+  /v1/completions (as in OpenAI) and, for chat, to the rest of the context.
 * `stop` is a string or a list of up to 16 strings; `seed` makes sampling reproducible; `n` up to 8
   independent choices (choice i seeded with seed + i).
 * `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI), `repetition_penalty` and `min_p` (extensions,
@@ -27,6 +29,11 @@ Request fields follow the OpenAI API, with these choices:
   Fields of the wrong type are refused (strict validation, no coercion).
 * `usage` adds `tau` (tokens per target forward) and `accepted_tokens` (emitted tokens that were draft
   tokens accepted by verification) to the OpenAI counts.
+
+Network safety (serving/security.py, `Guard`, applied before any route): with API keys every route but /health needs
+one (401 otherwise); a body over `max_body_bytes` is a 413, one that does not arrive within `timeout` a 408; a client
+that does not read its answer for `timeout` is cut off and its generations cancelled. TLS: `serve`'s `ssl_keyfile`
+and `ssl_certfile` (uvicorn's).
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for bad input
 (a `SpeculorError` from the library included), 404/405 for unknown routes, 429 when the queue is full,
@@ -71,8 +78,10 @@ from speculor.grammar.compile import Constraint
 from speculor.grammar.tools import Tool
 from speculor.runtime import openmp
 from speculor.runtime.backend import Pair
+from speculor.serving import llama_api
 from speculor.serving.errors import APIError, bad_request, install_error_handlers
-from speculor.serving.formats import EventStream, Format, collect, sse_stream
+from speculor.serving.formats import EventStream, Format, collect, sse_stream, watch_disconnect
+from speculor.serving.llama_api import DetokenizeRequest, LlamaCompletion, TokenizeRequest
 from speculor.serving.metrics import Metrics, MetricsMiddleware
 from speculor.serving.scheduler import MAX_BATCH, Job, Scheduler
 from speculor.serving.schemas import (
@@ -82,6 +91,7 @@ from speculor.serving.schemas import (
     CompletionRequest,
     GenerationRequest,
 )
+from speculor.serving.security import Guard, GuardMiddleware, warn_if_exposed
 
 logger = logging.getLogger("speculor.serving.app")
 
@@ -108,6 +118,14 @@ class Service(Protocol):
 
     async def respond(self, req: GenerationRequest, chat: bool, request: Request) -> Response: ...
 
+    async def respond_llama(self, req: LlamaCompletion, request: Request) -> Response: ...
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]: ...
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]: ...
+
+    async def props(self) -> dict[str, Any]: ...
+
     async def health(self) -> dict[str, Any]: ...
 
     def render_metrics(self) -> Response: ...
@@ -115,20 +133,22 @@ class Service(Protocol):
 
 @dataclass
 class _Server:
-    """What the endpoints share: the engine, its scheduler, metrics and the served model's name."""
+    """What the endpoints share: the engine, its scheduler, metrics, the served model's name and the default number of
+    new tokens of a request that gives none (None: the endpoint's own default)."""
 
     sp: Speculor
     scheduler: Scheduler
     metrics: Metrics
     model: str
+    n_predict: int | None = None
 
     def context_length(self) -> int:
         return self.sp.pair.target.context_length
 
-    def check_ids(self, ids: list[int]) -> None:
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
         vocab = self.sp.pair.target.vocab_size
         if any(not 0 <= i < vocab for i in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise APIError(400, f"{param} token ids must be in [0, {vocab})", param=param)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -235,15 +255,20 @@ class _Server:
         except SpeculorError as exc:
             raise bad_request(exc, "speculative") from exc
 
-    async def answer(self, req: GenerationRequest, chat: bool, request: Request | None = None) -> Answer:
-        """Validate a request and queue its jobs (429 if full); the whole response body once done, or its `Stream`.
-        `request`, where there is one, is watched for the client hanging up. Raises APIError."""
+    def max_tokens(self, req: GenerationRequest, chat: bool) -> int | None:
+        """The new tokens a request asks for at most: its own, else the server's `n_predict`, else the endpoint's
+        default (16 for completions, as in OpenAI; None, the rest of the context, for chat)."""
         if chat:
-            ids, max_tokens, param = self.encode_messages(req.messages, req.tools), \
-                req.max_completion_tokens or req.max_tokens, "messages"
+            return req.max_completion_tokens or req.max_tokens or self.n_predict
+        return req.max_tokens if "max_tokens" in req.model_fields_set else self.n_predict or req.max_tokens
+
+    async def submit(self, req: GenerationRequest, chat: bool) -> list[Job]:
+        """Validate a request and queue its jobs (429 if full): the one path of every generation. Raises APIError."""
+        if chat:
+            ids, param = self.encode_messages(req.messages, req.tools), "messages"
         else:
-            ids, max_tokens, param = self.encode_prompt(req.prompt), req.max_tokens, "prompt"
-        jobs = self.make_jobs(req, ids, max_tokens, param)
+            ids, param = self.encode_prompt(req.prompt), "prompt"
+        jobs = self.make_jobs(req, ids, self.max_tokens(req, chat), param)
         await self.check_strategy(jobs[0])
         for i, job in enumerate(jobs):
             try:
@@ -252,6 +277,12 @@ class _Server:
                 for queued in jobs[:i]:
                     queued.cancel.set()
                 raise
+        return jobs
+
+    async def answer(self, req: GenerationRequest, chat: bool, request: Request | None = None) -> Answer:
+        """Validate a request and queue its jobs (429 if full); the whole response body once done, or its `Stream`.
+        `request`, where there is one, is watched for the client hanging up. Raises APIError."""
+        jobs = await self.submit(req, chat)
         fmt = Format(chat, self.model, jobs[0].id, self.piece, jobs[0].cfg.logprobs, tools=jobs[0].tools)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -263,6 +294,44 @@ class _Server:
         """The HTTP response of a request: a JSON body, or a stream of server-sent events."""
         out = await self.answer(req, chat, request)
         return EventStream(out.body, out.cancel) if isinstance(out, Stream) else JSONResponse(out)
+
+    async def respond_llama(self, req: LlamaCompletion, request: Request) -> Response:
+        """llama-server's /completion (serving/llama_api.py) on the same job path."""
+        oa = llama_api.as_completion(req, self.n_predict)
+        job = (await self.submit(oa, False))[0]
+        tok = self.sp.pair.tokenizer
+        out = llama_api.Answer(self.model, tok.decode(job.prompt, skip_special_tokens=False), len(job.prompt),
+                               llama_api.settings(oa, self.context_length()), req.return_tokens)
+        if req.stream:
+            return EventStream(out.events(job), job.cancel.set)
+        watcher = asyncio.create_task(watch_disconnect(request, [job]))
+        try:
+            return JSONResponse(await out.whole(job))
+        finally:
+            job.cancel.set()  # a no-op once it has ended
+            watcher.cancel()
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        tok = self.sp.pair.tokenizer
+        ids = tok(req.content, add_special_tokens=req.add_special, split_special_tokens=not req.parse_special
+                  )["input_ids"]
+        return {"tokens": [{"id": i, "piece": llama_api.piece(tok, i)} for i in ids] if req.with_pieces else ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_ids(req.tokens, "tokens")
+        return {"content": self.sp.pair.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def props(self) -> dict[str, Any]:
+        """llama-server's GET /props: the defaults of /completion, the slots (requests decoded together), the model."""
+        tok, n_ctx = self.sp.pair.tokenizer, self.context_length()
+        template = tok.chat_template if isinstance(tok.chat_template, str) else (tok.chat_template or {}).get(
+            "default", "")
+        params = llama_api.settings(llama_api.as_completion(LlamaCompletion(prompt=""), self.n_predict), n_ctx)
+        return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
+                "total_slots": self.scheduler.max_batch, "model_path": self.sp.pair.target_name or self.model,
+                "model_alias": self.model, "chat_template": (template or "").removesuffix("\n"),  # as Jinja reads it
+                "bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "",
+                "modalities": {"vision": False, "audio": False}, "build_info": "speculor"}
 
     async def health(self) -> dict[str, Any]:
         s = self.scheduler
@@ -310,6 +379,29 @@ def _routes(app: FastAPI, service: Service) -> None:
     async def metrics() -> Response:
         return service.render_metrics()
 
+    _llama_routes(app, service)
+
+
+def _llama_routes(app: FastAPI, service: Service) -> None:
+    """llama-server's own routes (serving/llama_api.py)."""
+
+    @app.post("/completion")
+    @app.post("/completions")
+    async def completion(req: LlamaCompletion, request: Request) -> Response:
+        return await service.respond_llama(req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return await service.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return await service.detokenize(req)
+
+    @app.get("/props")
+    async def props() -> dict[str, Any]:
+        return await service.props()
+
 
 def _finite(x: float) -> float | None:
     """x, or None (JSON null) for NaN: JSON has no NaN."""
@@ -317,18 +409,25 @@ def _finite(x: float) -> float | None:
 
 
 def make_server(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = MAX_BATCH,
-                metrics: Metrics | None = None, **options: Any) -> _Server:
+                metrics: Metrics | None = None, *, n_predict: int | None = None, model: str | None = None,
+                **options: Any) -> _Server:
     """The engine side of a server: `pair` with a default `strategy` and its `options` (e.g. k=4), its scheduler
-    and metrics; no strategy: the default one (drafters/registry.py `_default`). Raises SpeculorError for a bad
-    strategy, queue size or batch size."""
+    and metrics; no strategy: the default one (drafters/registry.py `_default`). `n_predict`: the new tokens of a
+    request that asks for no number (None: each endpoint's default); `model`: the name it serves (default: the
+    target's). Raises SpeculorError for a bad strategy, queue size, batch size or n_predict."""
+    if n_predict is not None and (not isinstance(n_predict, int) or n_predict < 1):
+        raise SpeculorError(f"n_predict (-n) must be a positive number of tokens, got {n_predict!r}")
     sp = Speculor(pair, strategy=strategy or "default", **options)
     metrics = metrics or Metrics(pair.target.device)
-    return _Server(sp, Scheduler(sp, queue_size, metrics, max_batch), metrics, pair.target_name or "speculor")
+    return _Server(sp, Scheduler(sp, queue_size, metrics, max_batch), metrics,
+                   model or pair.target_name or "speculor", n_predict)
 
 
-def build_app(service: Service, metrics: Metrics, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+def build_app(service: Service, metrics: Metrics, on_shutdown: Callable[[], None] | None = None,
+              guard: Guard | None = None) -> FastAPI:
     """The FastAPI app of a service (this process's `_Server`, or Ray Serve's ingress, serving/ray_serve.py): the
-    routes, the OpenAI-style error handlers and the request metrics; `on_shutdown` runs (in a thread) at the app's
+    routes, the OpenAI-style error handlers, the network safety of `guard` (serving/security.py; default: no key, the
+    default limits) and the request metrics (of refused requests too); `on_shutdown` runs (in a thread) at the app's
     shutdown."""
 
     @asynccontextmanager
@@ -340,21 +439,24 @@ def build_app(service: Service, metrics: Metrics, on_shutdown: Callable[[], None
     app = FastAPI(title="speculor", version="0.1.0", lifespan=lifespan)
     app.state.server = service
     install_error_handlers(app)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(GuardMiddleware, guard=guard or Guard())
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # the outer one: it counts what the guard refuses
     _routes(app, service)
     return app
 
 
-def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = MAX_BATCH,
+def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, max_batch: int = MAX_BATCH, *,
+               guard: Guard | None = None, n_predict: int | None = None, model: str | None = None,
                **options: Any) -> FastAPI:
-    """A FastAPI app serving `pair` in this process (see `make_server` for the strategy).
+    """A FastAPI app serving `pair` in this process (see `make_server` for the strategy, `n_predict` and `model`;
+    `guard`: API keys and limits, serving/security.py).
 
     Up to `max_batch` generations run together (continuous batching, serving/scheduler.py); `queue_size` (>= 1)
     requests may wait for a place, more get 429. The worker thread starts with the first request and stops
     at the app's shutdown. Raises SpeculorError for a bad strategy, queue size or batch size.
     """
-    srv = make_server(pair, strategy, queue_size, max_batch, **options)
-    return build_app(srv, srv.metrics, on_shutdown=srv.scheduler.stop)
+    srv = make_server(pair, strategy, queue_size, max_batch, n_predict=n_predict, model=model, **options)
+    return build_app(srv, srv.metrics, on_shutdown=srv.scheduler.stop, guard=guard)
 
 
 def warm_up(pair: Pair) -> None:
@@ -372,13 +474,23 @@ def warm_up(pair: Pair) -> None:
 
 
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8000, strategy: str | None = None, queue_size: int = 64,
-          max_batch: int = MAX_BATCH, **options: Any) -> None:
-    """Serve `pair` over HTTP until interrupted (see `create_app`)."""
+          max_batch: int = MAX_BATCH, *, guard: Guard | None = None, ssl_keyfile: str | None = None,
+          ssl_certfile: str | None = None, timeout_keep_alive: float = 5.0, n_predict: int | None = None,
+          model: str | None = None, **options: Any) -> None:
+    """Serve `pair` over HTTP (HTTPS with `ssl_keyfile` and `ssl_certfile`, PEM files) until interrupted (see
+    `create_app`); an idle kept-alive connection is closed after `timeout_keep_alive` seconds (uvicorn's)."""
     import uvicorn
 
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise SpeculorError("TLS needs both --ssl-key-file and --ssl-cert-file")
+    guard = guard or Guard()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(pair, strategy=strategy, queue_size=queue_size, max_batch=max_batch, **options)
+    app = create_app(pair, strategy=strategy, queue_size=queue_size, max_batch=max_batch, guard=guard,
+                     n_predict=n_predict, model=model, **options)
     warm_up(pair)
-    logger.info("serving %s with strategy %r (batches of up to %d) on http://%s:%d/v1", pair.target_name or
-                "speculor", strategy or "default", max_batch, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    warn_if_exposed(host, guard)
+    logger.info("serving %s with strategy %r (batches of up to %d) on %s://%s:%d/v1%s", model or pair.target_name or
+                "speculor", strategy or "default", max_batch, "https" if ssl_certfile else "http", host, port,
+                f" ({len(guard.api_keys)} API key(s))" if guard.api_keys else "")
+    uvicorn.run(app, host=host, port=port, log_level="info", ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                timeout_keep_alive=timeout_keep_alive)

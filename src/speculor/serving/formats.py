@@ -233,7 +233,7 @@ class EventStream(StreamingResponse):
             self.on_close()  # a no-op once the generation has ended
 
 
-async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+async def watch_disconnect(request: Request, jobs: list[Job]) -> None:
     """Cancel the jobs when the client hangs up (the body was read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -246,7 +246,7 @@ async def collect(jobs: list[Job], request: Request | None = None
     """Wait for whole generations: (text, finish reason, tokens) per job and the combined usage; the client
     hanging up (`request`, where there is one) or this coroutine being cancelled cancels them. Raises the APIError
     of a job that failed."""
-    watcher = asyncio.create_task(_watch_disconnect(request, jobs)) if request is not None else None
+    watcher = asyncio.create_task(watch_disconnect(request, jobs)) if request is not None else None
     try:
         results = await asyncio.gather(*(_one(job) for job in jobs))
     except BaseException:

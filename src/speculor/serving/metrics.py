@@ -19,7 +19,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from speculor.runtime.memory import peak_memory_gib
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/completion",
+             "/completions", "/tokenize", "/detokenize", "/props")
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0)
 
 

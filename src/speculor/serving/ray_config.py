@@ -11,6 +11,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from speculor.errors import SpeculorError
+from speculor.serving.security import MAX_BODY_BYTES, TIMEOUT_S, Guard
 
 if TYPE_CHECKING:
     from speculor.runtime.spec import PairSpec
@@ -31,12 +32,19 @@ class RaySettings(BaseModel):
     calls: Literal["exact", "padded", "batched"] = "exact"  # llama.cpp's calls (runtime/llama/model.py CALLS)
     draft_vocab: int | None = None
     offload: bool = False
+    context: int | None = Field(None, ge=16)  # a request's context (llama-server's -c; runtime/spec.py)
     # the engine
     strategy: str | None = None  # None: the default strategy (drafters/registry.py `_default`)
     options: dict[str, Any] = {}
     queue_size: int = Field(64, ge=1)
     max_batch: int = Field(16, ge=1, le=256)
     max_queued_requests: int = Field(-1, ge=-1)  # waiting at an ingress for a replica; -1: no bound (Ray's default)
+    n_predict: int | None = Field(None, ge=1)  # new tokens of a request that asks for no number (llama-server's -n)
+    alias: str | None = None  # the model name the server reports (default: the target's)
+    # the ingress's network safety (serving/security.py `Guard`)
+    api_keys: list[str] = Field([], repr=False)
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1)
+    timeout: float = Field(TIMEOUT_S, gt=0)
     # Ray Serve
     replicas: int = Field(1, ge=1)
     min_replicas: int | None = Field(None, ge=0)  # autoscaling when max_replicas is set
@@ -70,15 +78,19 @@ class RaySettings(BaseModel):
         """What a replica is made from: the pair and the engine, not the scaling (a change of scale then restarts no
         replica: Ray Serve starts a new version only when these change)."""
         return self.model_dump(include={"target", "draft", "backend", "device", "dtype", "kernels", "threads",
-                                        "calls", "draft_vocab", "offload", "strategy", "options", "queue_size",
-                                        "max_batch"})
+                                        "calls", "draft_vocab", "offload", "context", "strategy", "options",
+                                        "queue_size", "max_batch", "n_predict", "alias"})
 
     def pair_spec(self) -> PairSpec:
         """The pair a replica loads (`speculor.load_pair` of it; backend auto: each node's own choice)."""
         from speculor.runtime.spec import PairSpec
 
         return PairSpec.named(**self.model_dump(include={"target", "draft", "backend", "device", "dtype", "kernels",
-                                                         "threads", "calls", "draft_vocab", "offload"}))
+                                                         "threads", "calls", "draft_vocab", "offload", "context"}))
+
+    def guard(self) -> Guard:
+        """The ingress's API keys and limits."""
+        return Guard(tuple(self.api_keys), self.max_body_bytes, self.timeout)
 
     def actor_options(self) -> dict[str, Any]:
         """What each replica asks Ray for: CPUs, memory for the pair, a GPU on cuda."""

@@ -17,6 +17,10 @@ Contract:
   replica_died`) and `[DONE]`, never as a short answer that looks whole. Ray Serve restarts the replica;
   `check_health` fails a replica whose engine thread died. A replica that is stopped (scale-down, shutdown) first
   drains: Ray waits up to `drain_s` for its requests to finish.
+* The ingress's app applies the same network safety as `speculor serve`'s (serving/security.py: API keys, body
+  limits, slow clients; `RaySettings.guard`); TLS and the keep-alive timeout are Ray Serve's HTTP proxy's
+  (`http_options`). llama-server's own routes (/completion, /tokenize, /detokenize, /props) are `speculor serve`'s
+  in one process: here they answer 404 saying so.
 * Metrics go through Ray's metrics (serving/ray_metrics.py): each replica's batch size, tau, accepted lengths,
   queue, generations; the ingress's request counts and latencies; GET /metrics says where they are.
 * `build(args)` makes the application from a `serve run` / `serve deploy` config's args (`RaySettings`);
@@ -51,6 +55,7 @@ from speculor.serving.metrics import Metrics
 from speculor.serving.ray_config import RaySettings, check_fits, check_strategy, port_free
 from speculor.serving.ray_metrics import Ray
 from speculor.serving.schemas import MAX_N, ChatRequest, CompletionRequest, GenerationRequest
+from speculor.serving.security import Guard, warn_if_exposed
 
 logger = logging.getLogger("speculor.serving.app")
 
@@ -80,7 +85,8 @@ class Replica:
         pair = load_pair(s.pair_spec())
         # Ray Serve bounds the requests a replica holds (max_ongoing_requests): its own queue takes all their jobs
         jobs, self.queue_size = (s.max_batch + s.queue_size) * MAX_N, s.queue_size
-        self.srv = make_server(pair, s.strategy, jobs, s.max_batch, Metrics(pair.target.device, Ray()), **s.options)
+        self.srv = make_server(pair, s.strategy, jobs, s.max_batch, Metrics(pair.target.device, Ray()),
+                               n_predict=s.n_predict, model=s.alias, **s.options)
         warm_up(pair)
         self.id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s (pid %d) serves %s", self.id, os.getpid(), self.srv.model)
@@ -194,9 +200,26 @@ class RayService:
         one = await self.replica.health.remote()
         return {"status": "ok", "model": self.model, "replicas": states, "replica": one}
 
+    async def respond_llama(self, req: Any, request: Request) -> Response:
+        raise _llama_route()
+
+    async def tokenize(self, req: Any) -> dict[str, Any]:
+        raise _llama_route()
+
+    async def detokenize(self, req: Any) -> dict[str, Any]:
+        raise _llama_route()
+
+    async def props(self) -> dict[str, Any]:
+        raise _llama_route()
+
     def render_metrics(self) -> Response:
         raise APIError(404, "on Ray Serve the metrics go through Ray's metrics: scrape each node's metrics export "
                        "port (names ray_speculor_*, tagged by deployment and replica)", code="not_found")
+
+
+def _llama_route() -> APIError:
+    return APIError(404, "llama-server's routes (/completion, /tokenize, /detokenize, /props) are served by `speculor "
+                    "serve` without --ray; on Ray Serve use /v1/completions and /v1/chat/completions", code="not_found")
 
 
 def replica_states(name: str = APP) -> dict[str, int]:
@@ -244,11 +267,11 @@ async def relay(answer: AsyncIterator[str]) -> AsyncIterator[str]:
 class Ingress:
     """`speculor serve`'s FastAPI app in front of the replicas."""
 
-    def __init__(self, replica: DeploymentHandle, model: str, queued: int) -> None:
-        self.service = RayService(replica, model, queued)
+    def __init__(self, replica: DeploymentHandle, model: str, queued: int, guard: Guard | None = None) -> None:
+        self.service, self.guard = RayService(replica, model, queued), guard
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_app(self.service, self.service.metrics)
+        return build_app(self.service, self.service.metrics, guard=self.guard)
 
 
 def application(s: RaySettings) -> Any:
@@ -258,10 +281,10 @@ def application(s: RaySettings) -> Any:
     replica = Replica.options(ray_actor_options=s.actor_options(), max_ongoing_requests=s.max_batch + s.queue_size,
                               max_queued_requests=s.max_queued_requests, graceful_shutdown_timeout_s=s.drain_s,
                               **s.scaling()).bind(s.replica_args())
-    model = embedded.named(s.target, None)[0]
+    model = s.alias or embedded.named(s.target, None)[0]
     return Ingress.options(num_replicas=s.ingress_replicas, ray_actor_options={"num_cpus": 0},
                            max_ongoing_requests=10_000, graceful_shutdown_timeout_s=s.drain_s
-                           ).bind(replica, model, s.max_queued_requests)
+                           ).bind(replica, model, s.max_queued_requests, s.guard())
 
 
 def build(args: dict[str, Any]) -> Any:
@@ -272,9 +295,14 @@ def build(args: dict[str, Any]) -> Any:
     return application(s)
 
 
-def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP) -> None:
-    """`speculor serve --ray`: start Ray here (or join `address`), deploy, serve until interrupted, then drain."""
+def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_port: int, name: str = APP,
+        ssl_keyfile: str | None = None, ssl_certfile: str | None = None, timeout_keep_alive: float | None = None
+        ) -> None:
+    """`speculor serve --ray`: start Ray here (or join `address`), deploy, serve until interrupted, then drain. TLS
+    (`ssl_keyfile`, `ssl_certfile`) and `timeout_keep_alive` are the HTTP proxy's."""
     check_strategy(s)  # before anything is started
+    http = {"host": host, "port": port, "ssl_keyfile": ssl_keyfile, "ssl_certfile": ssl_certfile,
+            "keep_alive_timeout_s": timeout_keep_alive}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not address:
         port_free(metrics_port, "--metrics-port")
@@ -290,7 +318,8 @@ def run(s: RaySettings, *, host: str, port: int, address: str | None, metrics_po
         signal.signal(sig, signal.default_int_handler)
     try:
         check_fits(s)
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={k: v for k, v in http.items() if v is not None})
+        warn_if_exposed(host, s.guard())
         t0 = time.perf_counter()
         serve.run(application(s), name=name, route_prefix="/")
         logger.info("serving %s on %d replica(s) (%s) at http://%s:%d/v1 after %.0f s; metrics through Ray%s",

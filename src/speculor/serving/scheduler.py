@@ -55,6 +55,7 @@ class Delta:
 class Done:
     finish_reason: str  # "stop", "length" or "cancelled"
     usage: dict[str, Any]
+    stop_word: str | None = None  # the stop string that ended it ("stop" by an end-of-sequence token: None)
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ class Scheduler:
             if not r.detok.stopped and (delta := r.detok.flush()):
                 job.emit(Delta(delta, tuple(r.detok.pop_tokens())))
             stopped = r.detok.stopped or (r.progress.last in self.sp.eos_ids)
-            job.emit(Done("stop" if stopped else "length", r.progress.usage(job, stats)))
+            job.emit(Done("stop" if stopped else "length", r.progress.usage(job, stats), _stop_word(r.detok)))
             self._account(job, "completed", stats, r.progress, time.perf_counter() - r.t0)
             return False
         if job.cancel.is_set():
@@ -310,6 +311,14 @@ class Scheduler:
             m.tau.observe(stats.tau)
         logger.info("generation %s %s: %d of max %d tokens, tau %.2f, %.3f s", job.id, outcome, progress.tokens,
                     job.cfg.max_new_tokens, stats.tau, seconds)
+
+
+def _stop_word(detok: Detokenizer) -> str | None:
+    """The stop string that stopped a detokenizer (the text it released ends where the string begins), if one did."""
+    if not detok.stopped:
+        return None
+    text = detok.tokenizer.decode(detok.ids, skip_special_tokens=True)
+    return next((s for s in detok.stop if text.startswith(s, detok.sent)), None)
 
 
 @dataclass
