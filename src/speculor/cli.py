@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from speculor.bench.peer_server import CONFIGS, parse_peers
 from speculor.commands import (
     STRATEGIES,
     TAKEN_BY,
@@ -230,16 +231,29 @@ def _add_loadtest_parser(sub) -> None:
     lt.add_argument("--reference", action="store_true", help="first ask every prompt alone, one after another: "
                     "every later answer is checked against its one-client answer")
     lt.add_argument("--out", default=None, help="JSON file for the rows (and a PNG plot beside it)")
-    lt.add_argument("--peer", choices=("llama-server",), default=None,
+    lt.add_argument("--peer", type=_peer_configs, default=None, metavar="llama-server[:CONFIG],...",
                     help="after our rounds, start llama-server as its users do (-m GGUF -t/-tb --threads -c 32768 "
-                    "-np the largest --clients) and run the same rounds against it (implies --reference); the table "
-                    "gets our tokens/s ÷ its. Its binary: `make llama-server`")
+                    "-np the largest --clients --jinja) in each configuration named, one after another, and run the "
+                    "same rounds against it (implies --reference): llama-server (its plain decoding), "
+                    f"llama-server:CONFIG with CONFIG one of {', '.join(CONFIGS)}, or llama-server:all. The table "
+                    "gets every row's tokens/s ÷ llama-server's best configuration at the same client count (and ÷ "
+                    "its plain decoding where that ran). Its binary: `make llama-server`")
     lt.add_argument("--llama-server", default=None, metavar="PATH", help="the peer's binary (default: the one "
                     "`make llama-server` built, else llama-server on PATH)")
     lt.add_argument("--gguf", default="default", help="the peer's model: 'default' (the embedded target's GGUF), "
                     "an embedded model's name or a .gguf file; give the target our server runs")
     lt.add_argument("--threads", type=int, default=None, help="the peer's -t and -tb (give our server's --threads; "
                     "default: this machine's CPU count)")
+    lt.add_argument("--draft-gguf", default="default", help="the draft of llama-server:draft (-md): 'default' "
+                    "(the embedded draft's GGUF), an embedded model's name or a .gguf file")
+
+
+def _peer_configs(text: str) -> list[str]:
+    """--peer's configurations (bench/peer_server.py `parse_peers`); argparse's own error (exit 2) for a bad one."""
+    try:
+        return parse_peers(text)
+    except SpeculorError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_toolbench_parser(sub) -> None:
