@@ -113,7 +113,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `speculor bench` (`speculor.bench.run.run` reads them). The defaults shown are those of
     bench/config.py's DEFAULTS and QUICK tables (options left None here take them in `BenchConfig.from_args`)."""
     p.add_argument("--strategies", default=None, help="comma-separated; options after colons, e.g. "
-                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,default,chain:k=4,dyspec:budget=auto)")
+                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,default,chain:k=4,dyspec:budget=auto); "
+                   "llama-server's rows name its configuration after the colon: llama-server (its plain decoding), "
+                   f"llama-server:CONFIG with CONFIG one of {', '.join(CONFIGS)}, or llama-server:all")
     p.add_argument("--sets", default="mtbench,humaneval", help=SETS_HELP)
     p.add_argument("--limit", type=int, default=None, help="number of prompts, spread over sets and categories "
                    "(default 8)")
@@ -129,9 +131,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default=None, help="comma-separated batch sizes, e.g. 1,4,16: every strategy with that "
                    "many prompts decoded together (entries 'L@B'; plain@1 is always run as the reference)")
     p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the peers that "
-                   "run beside the loaded pair (llama.cpp's own plain decoding where the target is a GGUF file, the "
-                   "two transformers peers on torch), 2 prompts, 32 tokens, one round (a smoke run: its ratios are "
-                   "indicative only); flags given explicitly still apply")
+                   "run beside the loaded pair (llama.cpp's own plain decoding where the target is a GGUF file, "
+                   "llama-server plain, ngram-mod and -md where its binary is built too, the two transformers peers "
+                   "on torch), 2 prompts, 32 tokens, one round (a smoke run: its ratios are indicative only); flags "
+                   "given explicitly still apply")
+    p.add_argument("--llama-server", default=None, metavar="PATH", help="the llama-server rows' binary (default: "
+                   "the one `make llama-server` built, else llama-server on PATH)")
 
 
 def _parser() -> argparse.ArgumentParser:
