@@ -160,8 +160,8 @@ def test_servers_one_per_configuration(fake, ggufs, tmp_path) -> None:
     if Path("/proc/self/stat").exists():
         assert first["server_cpu_s"] >= 0 and 0 < first["peak_memory_gib"] < 1
     started = _started(tmp_path)
-    assert [s["argv"][s["argv"].index("--port") + 2:] for s in started] == [
-        [], ["-md", str(draft), "--spec-draft-n-max", "3"], ["-md", str(draft), "--spec-draft-n-max", "3"]]
+    with_draft = ["--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", "3"]
+    assert [s["argv"][s["argv"].index("--port") + 2:] for s in started] == [[], with_draft, with_draft]
     assert all(s["argv"][:10] == ["-m", str(target), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1"]
                and "--jinja" not in s["argv"] and _gone(s["pid"]) for s in started)
     warm = started[0]["bodies"][0]  # each start's first request: the prompt's first 16 ids, 4 tokens, untimed
@@ -242,3 +242,17 @@ def test_bench_run_with_llama_servers_rows(fake, ggufs, tmp_path, monkeypatch, c
     assert "÷ llama-server best (mtbench)" in table and "| llama-server:ngram-mod | 0.0 |" in table
     assert "llama-server's best configuration (most tokens/s) per set: mtbench T=0.0: llama-server" in table
     assert (out / "llama-server-ngram-mod.log").exists()
+    assert summary["llama-server:ngram-mod"]["server_drafted"] == 2 * 2 * 6 and "server_drafted" not in summary["plain"]
+    assert ("llama-server's own drafts at the first temperature (accepted / drafted): llama-server:ngram-mod 16 / 24"
+            in capsys.readouterr().out)
+
+
+def test_a_configuration_that_drafted_nothing_is_said() -> None:
+    from speculor.bench.summary import drafts_note
+
+    summary = {"plain": {}, "llama-server": {"server_drafted": 0, "server_accepted": 0},
+               "llama-server:draft": {"server_drafted": 0, "server_accepted": 0},
+               "llama-server:ngram-mod": {"server_drafted": 10, "server_accepted": 7}}
+    assert drafts_note(summary) == ("llama-server's own drafts at the first temperature (accepted / drafted): "
+                                    "llama-server:draft drafted nothing, llama-server:ngram-mod 7 / 10")
+    assert drafts_note({"plain": {}}) is None

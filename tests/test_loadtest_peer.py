@@ -184,7 +184,7 @@ def test_command_is_what_users_run(gguf) -> None:
 CONFIG_ARGS = {  # each configuration's own arguments, after the common ones, exactly
     "plain": [],
     "ngram-mod": ["--spec-type", "ngram-mod"],
-    "draft": ["-md", "/m/draft.gguf", "--spec-draft-n-max", "3"],
+    "draft": ["--spec-type", "draft-simple", "-md", "/m/draft.gguf", "--spec-draft-n-max", "3"],
     "ngram-simple": ["--spec-type", "ngram-simple"],
     "ngram-map-k": ["--spec-type", "ngram-map-k"],
     "ngram-map-k4v": ["--spec-type", "ngram-map-k4v"],
@@ -381,8 +381,8 @@ def test_loadtest_with_two_configurations_end_to_end(fake, gguf, tmp_path, monke
         assert "fake llama-server listening" in out.with_suffix(f".{name.replace(':', '-')}.log").read_text()
     assert "| ÷ llama-server best |" in captured.out and "| ÷ llama-server |" not in captured.out
     started = [json.loads(a.read_text()) for a in tmp_path.glob("argv-*.json") if a.stem != f"argv-{port}"]
-    assert sorted(a["argv"][a["argv"].index("--port") + 2:] for a in started) == [
-        ["--spec-type", "ngram-mod"], ["-md", str(draft), "--spec-draft-n-max", "3"]]
+    assert sorted(a["argv"][a["argv"].index("--port") + 2:] for a in started) == sorted([
+        ["--spec-type", "ngram-mod"], ["--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", "3"]])
     assert all(_gone(a["pid"]) for a in started)
 
 

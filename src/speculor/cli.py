@@ -132,7 +132,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "many prompts decoded together (entries 'L@B'; plain@1 is always run as the reference)")
     p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the peers that "
                    "run beside the loaded pair (llama.cpp's own plain decoding where the target is a GGUF file, "
-                   "llama-server plain, ngram-mod and -md where its binary is built too, the two transformers peers "
+                   "llama-server plain, ngram-mod and draft where its binary is built too, the two transformers peers "
                    "on torch), 2 prompts, 32 tokens, one round (a smoke run: its ratios are indicative only); flags "
                    "given explicitly still apply")
     p.add_argument("--llama-server", default=None, metavar="PATH", help="the llama-server rows' binary (default: "
@@ -249,7 +249,7 @@ def _add_loadtest_parser(sub) -> None:
                     "an embedded model's name or a .gguf file; give the target our server runs")
     lt.add_argument("--threads", type=int, default=None, help="the peer's -t and -tb (give our server's --threads; "
                     "default: this machine's CPU count)")
-    lt.add_argument("--draft-gguf", default="default", help="the draft of llama-server:draft (-md): 'default' "
+    lt.add_argument("--draft-gguf", default="default", help="the draft model of llama-server:draft: 'default' "
                     "(the embedded draft's GGUF), an embedded model's name or a .gguf file")
 
 

@@ -7,11 +7,13 @@
 with T the threads given, N the largest client count of the run (one for bench), C 32768 for loadtest (the run's
 longest prompt and answer for bench), --jinja where its chat endpoint is asked (loadtest). The configurations
 (CONFIGS): `plain` (no speculation), `ngram-mod`, `ngram-simple`, `ngram-map-k`, `ngram-map-k4v` and `ngram-cache`
-(`--spec-type <that type>`, model-free: drafts from the context), and `draft` (`-md <draft gguf> --spec-draft-n-max
-3`: a draft model, llama-server's default 3 drafts a step). Spelled `llama-server` (plain), `llama-server:CONFIG`,
-or `llama-server:all`. The binary is `--llama-server PATH`, else the one `make llama-server` builds from the
-llama.cpp source that the installed llama-cpp-python vendors (``<cache>/bin/llama-server``), else `llama-server` on
-PATH.
+(`--spec-type <that type>`, model-free: drafts from the context), and `draft` (`--spec-type draft-simple -md <draft
+gguf> --spec-draft-n-max 3`: a draft model, llama-server's default 3 drafts a step). `-md` alone loads the draft but
+drafts nothing with this llama.cpp: it infers the type from the draft GGUF's metadata, which names none for a plain
+model such as the embedded 0.5B, so that needs `--spec-type draft-simple` (with `-md` alone its logs had no `draft
+acceptance` line). Spelled `llama-server` (plain), `llama-server:CONFIG`, or `llama-server:all`. The binary is
+`--llama-server PATH`, else the one `make llama-server` builds from the llama.cpp source that the installed
+llama-cpp-python vendors (``<cache>/bin/llama-server``), else `llama-server` on PATH.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ from speculor.runtime.memory import peak_rss_gib
 
 SERVER = "llama-server"
 CONTEXT = 32768  # -c of loadtest's peer: the KV cells of all slots together, as its users start it
-DRAFT_TOKENS = 3  # -md's drafts a step: llama-server's default (--spec-draft-n-max 3), spelled out
+DRAFT_TOKENS = 3  # the draft model's drafts a step: llama-server's default (--spec-draft-n-max 3), spelled out
 DRAFT = "<draft gguf>"  # where a configuration takes the draft model's file
 # name -> llama-server's own arguments for it: its plain decoding and each kind of speculation it runs on a CPU with
 # no file besides the models (the draft-eagle3/-mtp/-dflash/-dspark types need their own draft heads)
 CONFIGS: dict[str, tuple[str, ...]] = {
     "plain": (),
     "ngram-mod": ("--spec-type", "ngram-mod"),
-    "draft": ("-md", DRAFT, "--spec-draft-n-max", str(DRAFT_TOKENS)),
+    "draft": ("--spec-type", "draft-simple", "-md", DRAFT, "--spec-draft-n-max", str(DRAFT_TOKENS)),
     "ngram-simple": ("--spec-type", "ngram-simple"),
     "ngram-map-k": ("--spec-type", "ngram-map-k"),
     "ngram-map-k4v": ("--spec-type", "ngram-map-k4v"),

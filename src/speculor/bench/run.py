@@ -32,7 +32,7 @@ from speculor.bench.config import QUICK_NOTE, BenchConfig
 from speculor.bench.peer_server import Servers, config_of, fitting_context
 from speculor.bench.peers import PEERS, SERVER_PEERS, open_servers, peer_generate, unfit
 from speculor.bench.specs import Spec
-from speculor.bench.summary import cell, format_table, sum_stats, summarize
+from speculor.bench.summary import cell, drafts_note, format_table, sum_stats, summarize
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
 from speculor.runtime.backend import Pair, forward1
@@ -118,7 +118,7 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
     summary = summarize(records, [s.label for s in specs], temps)
     warnings = start_warnings(load) + check(summary, records, temps, _cost(sp))
     print(format_table(summary))
-    notes = [QUICK_NOTE] if cfg.quick else []
+    notes = ([QUICK_NOTE] if cfg.quick else []) + [n for n in [drafts_note(summary)] if n]
     if dropped:
         notes.append(f"peers left out on {sp.pair.backend}: " + "; ".join(f"{k} ({v})" for k, v in dropped.items()))
     if setup_peak is not None:

@@ -117,6 +117,9 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
     peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
     agg["peak_memory_gib"] = max(peaks) if peaks else None
     agg["drafter_stats"] = sum_stats([r.get("drafter_stats") for r in rows])
+    if timings := [r["server_timings"] for r in rows if r.get("server_timings") is not None]:  # llama-server's own
+        agg["server_drafted"] = sum(t.get("draft_n", 0) for t in timings)
+        agg["server_accepted"] = sum(t.get("draft_n_accepted", 0) for t in timings)
     if steps:
         depth = max(steps)
         agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]
@@ -203,6 +206,19 @@ def format_table(summary: dict[str, Any]) -> str:
                          f"| {predicted} | {cell(a, 'decode_speedup', unit='x')} | {ident} "
                          f"| {split_s} | {host_cell(a)} | {cell(a, 'peak_memory_gib', '.1f')} |")
     return "\n".join(lines + best_note(summary))
+
+
+def drafts_note(summary: dict[str, Any]) -> str | None:
+    """llama-server's own draft tokens, accepted / drafted, per speculating configuration (its `timings`; 'drafted
+    nothing' where its speculation never ran: short answers with nothing to copy, or a configuration that loads no
+    drafter); None where no such row ran."""
+    said = []
+    for label, s in summary.items():
+        if is_server(label) and label != "llama-server" and s.get("server_drafted") is not None:
+            drafted, accepted = s["server_drafted"], s["server_accepted"]
+            said.append(f"{label} {accepted} / {drafted}" if drafted else f"{label} drafted nothing")
+    return "llama-server's own drafts at the first temperature (accepted / drafted): " + ", ".join(said) if said \
+        else None
 
 
 def best_note(summary: dict[str, Any]) -> list[str]:
