@@ -157,8 +157,9 @@ def server_ggufs(pair: Pair) -> tuple[Path | None, Path | None]:
 
 def open_servers(pair: Pair, labels: list[str], context: int, log_dir: Path | None,
                  binary: str | None = None) -> peer_server.Servers | nullcontext[None]:
-    """The llama-servers bench's peer rows `labels` ask (bench/peer_server.py `Servers`: started as they are first
-    asked, stopped at the end), or a nullcontext where none is asked; a SpeculorError where they cannot run."""
+    """The llama-servers bench's peer rows `labels` ask (bench/peer_server.py `Servers`: each started at its first
+    request of a round, stopped at the round's end and the run's), or a nullcontext where none is asked; a
+    SpeculorError where they cannot run."""
     if not any(label in SERVER_PEERS for label in labels):
         return nullcontext()
     target, draft = server_ggufs(pair)
