@@ -110,11 +110,40 @@ def _gone(pid: int) -> bool:
 def test_peer_options_parse() -> None:
     args = cli._parser().parse_args(["loadtest", "--peer", "llama-server", "--llama-server", "/x/llama-server",
                                      "--gguf", "t.gguf", "--threads", "2"])
-    assert (args.peer, args.llama_server, args.gguf, args.threads) == ("llama-server", "/x/llama-server", "t.gguf", 2)
+    assert (args.peer, args.llama_server, args.gguf, args.threads) == (["plain"], "/x/llama-server", "t.gguf", 2)
     args = cli._parser().parse_args(["loadtest"])
-    assert (args.peer, args.llama_server, args.gguf, args.threads) == (None, None, "default", None)
+    assert (args.peer, args.llama_server, args.gguf, args.threads, args.draft_gguf) == (
+        None, None, "default", None, "default")
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["loadtest", "--peer", "vllm"])
+
+
+@pytest.mark.parametrize(("given", "configs"), [
+    ("llama-server", ["plain"]),
+    ("llama-server,llama-server:ngram-mod,llama-server:draft", ["plain", "ngram-mod", "draft"]),
+    ("llama-server:draft, llama-server:plain,llama-server", ["draft", "plain"]),  # once each, in the order given
+    ("llama-server:all", ["plain", "ngram-mod", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
+                          "ngram-cache"]),
+])
+def test_peer_spellings(given, configs) -> None:
+    assert cli._parser().parse_args(["loadtest", "--peer", given]).peer == configs
+    labels = [peer_server.label(c) for c in configs]
+    assert labels[0] == ("llama-server" if configs[0] == "plain" else f"llama-server:{configs[0]}")
+    assert [peer_server.config_of(name) for name in labels] == configs
+
+
+@pytest.mark.parametrize(("given", "said"), [
+    ("llama-server:ngram-modd", "unknown llama-server configuration 'ngram-modd' in 'llama-server:ngram-modd'; "
+                                "known: plain, ngram-mod, draft, ngram-simple"),
+    ("llama-server,vllm", "unknown peer 'vllm': give llama-server or llama-server:CONFIG"),
+    (",", "no peer given"),
+])
+def test_a_bad_peer_is_refused_with_exit_2(given, said, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["loadtest", "--url", "http://127.0.0.1:9", "--peer", given])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --peer:" in err and said in err
 
 
 def test_no_binary_says_make_llama_server(tmp_path, monkeypatch, capsys) -> None:
@@ -149,7 +178,42 @@ def test_target_gguf(gguf, tmp_path) -> None:
 def test_command_is_what_users_run(gguf) -> None:
     cmd = peer_server.command(Path("/b/llama-server"), gguf, threads=2, parallel=16, port=8123)
     assert cmd == ["/b/llama-server", "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "32768", "-np", "16",
-                   "--port", "8123"]
+                   "--jinja", "--port", "8123"]
+
+
+CONFIG_ARGS = {  # each configuration's own arguments, after the common ones, exactly
+    "plain": [],
+    "ngram-mod": ["--spec-type", "ngram-mod"],
+    "draft": ["--spec-type", "draft-simple", "-md", "/m/draft.gguf", "--spec-draft-n-max", "3"],
+    "ngram-simple": ["--spec-type", "ngram-simple"],
+    "ngram-map-k": ["--spec-type", "ngram-map-k"],
+    "ngram-map-k4v": ["--spec-type", "ngram-map-k4v"],
+    "ngram-cache": ["--spec-type", "ngram-cache"],
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIG_ARGS))
+def test_each_configuration_command_line(config, gguf) -> None:
+    """Every configuration on the same GGUF, threads, context and slots; bench's (chat=False, its own context,
+    one slot) without --jinja."""
+    assert list(peer_server.CONFIGS) == list(CONFIG_ARGS)
+    draft = Path("/m/draft.gguf")
+    common = ["/b/llama-server", "-m", str(gguf), "-t", "4", "-tb", "4", "-c", "32768", "-np", "8", "--jinja",
+              "--port", "9000"]
+    assert peer_server.command(Path("/b/llama-server"), gguf, threads=4, parallel=8, port=9000, config=config,
+                               draft=draft) == common + CONFIG_ARGS[config]
+    bench = peer_server.command(Path("/b/llama-server"), gguf, threads=2, parallel=1, port=9001, config=config,
+                                draft=draft, context=4096, chat=False)
+    assert bench == ["/b/llama-server", "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1",
+                     "--port", "9001"] + CONFIG_ARGS[config]
+
+
+def test_configuration_errors() -> None:
+    with pytest.raises(SpeculorError, match="needs a draft model's GGUF file"):
+        peer_server.config_args("draft")
+    with pytest.raises(SpeculorError, match="unknown llama-server configuration 'eagle'"):
+        peer_server.config_args("eagle")
+    assert peer_server.fitting_context(100, 128) == 4096 and peer_server.fitting_context(4000, 512) == 5120
 
 
 # ------------------------------------------------------------------------------------------- rows and table
@@ -185,6 +249,38 @@ def test_rows_without_a_peer_keep_the_table_as_it_was() -> None:
     assert "÷" not in table[0] and table[2].startswith("| chain | 2 | 2 | 20 | 2.0 | 3.00 |")
 
 
+def test_several_peers_divide_by_the_best_at_each_level() -> None:
+    """Three configurations: at one client (one by one) ngram-mod is the best, at 4 clients plain is; every row,
+    ours and theirs, gets ÷ each and ÷ the best of its own level, and the table names the best."""
+    ours = [_row(1, 6.0, reference=True, strategy=None), _row(4, 12.0, strategy=None)]
+    theirs = [_row(1, 4.0, reference=True, peer="llama-server"), _row(4, 10.0, peer="llama-server"),
+              _row(1, 5.0, reference=True, peer="llama-server:ngram-mod"), _row(4, 8.0, peer="llama-server:ngram-mod"),
+              _row(1, 3.0, reference=True, peer="llama-server:draft"), _row(4, 0.0, peer="llama-server:draft")]
+    rows = loadtest.versus(ours, theirs)
+    assert [(r.get("peer"), r["clients"], r["peer_best"], round(r["vs_peer"], 3)) for r in rows] == [
+        (None, 1, "llama-server:ngram-mod", 1.2), (None, 4, "llama-server", 1.2),
+        ("llama-server", 1, "llama-server:ngram-mod", 0.8), ("llama-server", 4, "llama-server", 1.0),
+        ("llama-server:ngram-mod", 1, "llama-server:ngram-mod", 1.0),
+        ("llama-server:ngram-mod", 4, "llama-server", 0.8),
+        ("llama-server:draft", 1, "llama-server:ngram-mod", 0.6), ("llama-server:draft", 4, "llama-server", 0.0)]
+    assert rows[0]["vs_peers"] == {"llama-server": 1.5, "llama-server:ngram-mod": 1.2, "llama-server:draft": 2.0}
+    assert "llama-server:draft" not in rows[1]["vs_peers"]  # no tokens at that level: no ratio by it
+    table = loadtest.format_rows(rows).splitlines()
+    assert "| tokens/s | ÷ llama-server best | ÷ llama-server | TTFT" in table[0]
+    assert all(line.count("|") == table[0].count("|") for line in table) and len(table) == 2 + 8
+    assert "| 6.00 | 1.20 (llama-server:ngram-mod) | 1.50 |" in table[2]
+    assert "| 12.00 | 1.20 (llama-server) | 1.20 |" in table[3]
+    assert table[6].startswith("| llama-server:ngram-mod | - | 1 (one by one) |")
+    assert "| 1.00 (llama-server:ngram-mod) |" in table[6]
+
+
+def test_the_plain_column_needs_plain_among_the_peers() -> None:
+    theirs = [_row(1, 4.0, peer="llama-server:ngram-mod"), _row(1, 5.0, peer="llama-server:draft")]
+    table = loadtest.format_rows(loadtest.versus([_row(1, 10.0, strategy="chain")], theirs)).splitlines()
+    assert "| ÷ llama-server best |" in table[0] and "| ÷ llama-server |" not in table[0]
+    assert "| 10.00 | 2.00 (llama-server:draft) |" in table[2]
+
+
 def test_same_answers_counts_prompts_asked_of_both() -> None:
     assert loadtest.same_answers({"a": "x", "b": "y", "c": "z"}, {"a": "x", "b": "q", "d": "w"}) == (1, 2)
 
@@ -199,7 +295,8 @@ def test_peer_lifecycle_against_a_fake_llama_server(fake, gguf, tmp_path) -> Non
         answers: dict[str, str] = {}
         rows = loadtest.run(url, ["alpha one", "beta two"], [1, 3], max_tokens=2, reference=True, answers=answers)
     argv, bodies = _records(tmp_path, port)
-    assert argv["argv"] == ["-m", str(gguf), "-t", "2", "-tb", "2", "-c", "32768", "-np", "3", "--port", str(port)]
+    assert argv["argv"] == ["-m", str(gguf), "-t", "2", "-tb", "2", "-c", "32768", "-np", "3", "--jinja", "--port",
+                            str(port)]
     assert _gone(argv["pid"]), "llama-server is still running"
     assert "fake llama-server listening" in log.read_text()
     assert answers == {"alpha one": "echo alpha ", "beta two": "echo beta "}
@@ -253,6 +350,40 @@ def test_loadtest_with_the_peer_end_to_end(fake, gguf, tmp_path, monkeypatch, ca
     argv, peer_bodies = _records(tmp_path, peer_port)
     assert argv["argv"][argv["argv"].index("-np") + 1] == "2" and _gone(argv["pid"])
     assert len(peer_bodies) == len(our_bodies) and not any("speculative" in b for b in peer_bodies)
+
+
+def test_loadtest_with_two_configurations_end_to_end(fake, gguf, tmp_path, monkeypatch, capsys) -> None:
+    """`--peer llama-server:ngram-mod,llama-server:draft`: each configuration's own server in turn (its arguments,
+    its log beside --out, stopped before the next), the same rounds against each, the table ÷ the best."""
+    monkeypatch.setattr(prompts, "load", lambda sets, limit: [prompts.Prompt("p0", "mtbench", "writing", "alpha one",
+                                                                            True)])
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    port = peer_server.free_port()
+    ours = subprocess.Popen([str(fake), "--port", str(port)], stdout=subprocess.DEVNULL)
+    try:
+        peer_server.wait_healthy(ours, f"http://127.0.0.1:{port}", tmp_path / "none.log", 30)
+        out = tmp_path / "load.json"
+        code = cli.main(["loadtest", "--url", f"http://127.0.0.1:{port}", "--clients", "1", "--max-tokens", "3",
+                         "--peer", "llama-server:ngram-mod,llama-server:draft", "--llama-server", str(fake),
+                         "--gguf", str(gguf), "--draft-gguf", str(draft), "--threads", "2", "--out", str(out)])
+    finally:
+        peer_server.stop(ours)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    rows = json.loads(out.read_text())
+    assert [(r.get("peer"), bool(r.get("reference"))) for r in rows] == [
+        (None, True), (None, False), ("llama-server:ngram-mod", True), ("llama-server:ngram-mod", False),
+        ("llama-server:draft", True), ("llama-server:draft", False)]
+    assert all(set(r["vs_peers"]) == {"llama-server:ngram-mod", "llama-server:draft"} for r in rows)
+    for name in ("llama-server:ngram-mod", "llama-server:draft"):
+        assert f"one-client answers equal between speculor and {name}: 1 of 1 prompts" in captured.err
+        assert "fake llama-server listening" in out.with_suffix(f".{name.replace(':', '-')}.log").read_text()
+    assert "| ÷ llama-server best |" in captured.out and "| ÷ llama-server |" not in captured.out
+    started = [json.loads(a.read_text()) for a in tmp_path.glob("argv-*.json") if a.stem != f"argv-{port}"]
+    assert sorted(a["argv"][a["argv"].index("--port") + 2:] for a in started) == sorted([
+        ["--spec-type", "ngram-mod"], ["--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", "3"]])
+    assert all(_gone(a["pid"]) for a in started)
 
 
 def test_series_sends_no_strategy_for_the_servers_default(monkeypatch) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from speculor.bench.peer_server import CONFIGS, parse_peers
 from speculor.commands import (
     STRATEGIES,
     TAKEN_BY,
@@ -118,7 +119,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `speculor bench` (`speculor.bench.run.run` reads them). The defaults shown are those of
     bench/config.py's DEFAULTS and QUICK tables (options left None here take them in `BenchConfig.from_args`)."""
     p.add_argument("--strategies", default=None, help="comma-separated; options after colons, e.g. "
-                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,default,chain:k=4,dyspec:budget=auto)")
+                   "plain,chain:k=2,chain:k=6,hf-assisted (default plain,default,chain:k=4,dyspec:budget=auto); "
+                   "llama-server's rows name its configuration after the colon: llama-server (its plain decoding), "
+                   f"llama-server:CONFIG with CONFIG one of {', '.join(CONFIGS)}, or llama-server:all")
     p.add_argument("--sets", default="mtbench,humaneval", help=SETS_HELP)
     p.add_argument("--limit", type=int, default=None, help="number of prompts, spread over sets and categories "
                    "(default 8)")
@@ -134,9 +137,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default=None, help="comma-separated batch sizes, e.g. 1,4,16: every strategy with that "
                    "many prompts decoded together (entries 'L@B'; plain@1 is always run as the reference)")
     p.add_argument("--quick", action="store_true", help="the README's main job: every strategy and the peers that "
-                   "run beside the loaded pair (llama.cpp's own plain decoding where the target is a GGUF file, the "
-                   "two transformers peers on torch), 2 prompts, 32 tokens, one round (a smoke run: its ratios are "
-                   "indicative only); flags given explicitly still apply")
+                   "run beside the loaded pair (llama.cpp's own plain decoding where the target is a GGUF file, "
+                   "llama-server plain, ngram-mod and draft where its binary is built too, the two transformers peers "
+                   "on torch), 2 prompts, 32 tokens, one round (a smoke run: its ratios are indicative only); flags "
+                   "given explicitly still apply")
+    p.add_argument("--llama-server", default=None, metavar="PATH", help="the llama-server rows' binary (default: "
+                   "the one `make llama-server` built, else llama-server on PATH)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -273,16 +279,29 @@ def _add_loadtest_parser(sub) -> None:
     lt.add_argument("--reference", action="store_true", help="first ask every prompt alone, one after another: "
                     "every later answer is checked against its one-client answer")
     lt.add_argument("--out", default=None, help="JSON file for the rows (and a PNG plot beside it)")
-    lt.add_argument("--peer", choices=("llama-server",), default=None,
+    lt.add_argument("--peer", type=_peer_configs, default=None, metavar="llama-server[:CONFIG],...",
                     help="after our rounds, start llama-server as its users do (-m GGUF -t/-tb --threads -c 32768 "
-                    "-np the largest --clients) and run the same rounds against it (implies --reference); the table "
-                    "gets our tokens/s ÷ its. Its binary: `make llama-server`")
+                    "-np the largest --clients --jinja) in each configuration named, one after another, and run the "
+                    "same rounds against it (implies --reference): llama-server (its plain decoding), "
+                    f"llama-server:CONFIG with CONFIG one of {', '.join(CONFIGS)}, or llama-server:all. The table "
+                    "gets every row's tokens/s ÷ llama-server's best configuration at the same client count (and ÷ "
+                    "its plain decoding where that ran). Its binary: `make llama-server`")
     lt.add_argument("--llama-server", default=None, metavar="PATH", help="the peer's binary (default: the one "
                     "`make llama-server` built, else llama-server on PATH)")
     lt.add_argument("--gguf", default="default", help="the peer's model: 'default' (the embedded target's GGUF), "
                     "an embedded model's name or a .gguf file; give the target our server runs")
     lt.add_argument("--threads", type=int, default=None, help="the peer's -t and -tb (give our server's --threads; "
                     "default: this machine's CPU count)")
+    lt.add_argument("--draft-gguf", default="default", help="the draft model of llama-server:draft: 'default' "
+                    "(the embedded draft's GGUF), an embedded model's name or a .gguf file")
+
+
+def _peer_configs(text: str) -> list[str]:
+    """--peer's configurations (bench/peer_server.py `parse_peers`); argparse's own error (exit 2) for a bad one."""
+    try:
+        return parse_peers(text)
+    except SpeculorError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_toolbench_parser(sub) -> None:

@@ -16,7 +16,8 @@ DEFAULTS = {"strategies": "plain,default,chain:k=4,dyspec:budget=auto", "limit":
             "temperatures": "0", "rounds": 3}
 # --quick: one MT-Bench and one HumanEval prompt, one round, so that every strategy and the peers fit in ~10 minutes;
 # of the peers only those that run beside the loaded pair are kept (`BenchConfig.fit_peers`, bench/peers.py `unfit`)
-QUICK = {"strategies": ALL + ",llama.cpp,hf-assisted,hf-prompt-lookup", "limit": 2, "max_new_tokens": 32,
+QUICK = {"strategies": ALL + ",llama.cpp,hf-assisted,hf-prompt-lookup,llama-server,llama-server:ngram-mod,"
+                        "llama-server:draft", "limit": 2, "max_new_tokens": 32,
          "temperatures": "0", "rounds": 1}
 QUICK_NOTE = ("--quick decodes 2 prompts x 32 tokens in one round: prefill weighs 20-25% there and one noisy moment "
               "moves a ratio by 10% or more; its ratios are indicative only (realistic runs: --limit 8 "
@@ -27,7 +28,8 @@ QUICK_NOTE = ("--quick decodes 2 prompts x 32 tokens in one round: prefill weigh
 class BenchConfig:
     """strategies: plain first; temperatures: the single-stream run's (the batch run measures the first one);
     batch: batch sizes (--batch), None for the single-stream run; out: the folder for records, summary, table;
-    fit_peers: drop the peers that cannot run beside the loaded pair (--quick's own list: the strategies not given)."""
+    fit_peers: drop the peers that cannot run beside the loaded pair (--quick's own list: the strategies not given);
+    llama_server: the llama-server peers' binary (--llama-server; None: bench/peer_server.py `find_binary`'s)."""
 
     strategies: tuple[Spec, ...]
     sets: tuple[str, ...] = ("mtbench", "humaneval")
@@ -42,6 +44,7 @@ class BenchConfig:
     batch: tuple[int, ...] | None = None
     quick: bool = False
     fit_peers: bool = False
+    llama_server: str | None = None
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -60,7 +63,8 @@ class BenchConfig:
             temps = tuple(float(t) for t in str(opts["temperatures"]).split(","))
         except ValueError as exc:
             raise SpeculorError(f"bad number in --batch or --temperatures: {exc}") from None
-        kept = {k: opts[k] for k in ("limit", "max_new_tokens", "top_p", "rounds", "seed", "out", "format", "quick")
+        kept = {k: opts[k] for k in ("limit", "max_new_tokens", "top_p", "rounds", "seed", "out", "format", "quick",
+                                     "llama_server")
                 if k in opts}  # the others keep the defaults above
         if "sets" in opts:
             kept["sets"] = tuple(opts["sets"].split(","))
@@ -74,4 +78,5 @@ class BenchConfig:
                 "limit": self.limit, "max_new_tokens": self.max_new_tokens,
                 "temperatures": ",".join(f"{t:g}" for t in self.temperatures), "top_p": self.top_p,
                 "rounds": self.rounds, "seed": self.seed, "out": self.out, "format": self.format,
-                "batch": ",".join(map(str, self.batch)) if self.batch else None, "quick": self.quick}
+                "batch": ",".join(map(str, self.batch)) if self.batch else None, "quick": self.quick,
+                "llama_server": self.llama_server}

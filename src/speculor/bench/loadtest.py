@@ -6,9 +6,10 @@ chunk (TTFT), the whole latency, the completion tokens and the server's tau (`us
 completion tokens ÷ the wall time of the round. The server runs one generation at a time per model pair, so
 latency grows with c while throughput stays about that of one stream: the numbers say how far.
 
-With a peer (`--peer llama-server`, bench/peer_server.py), the same rounds then run against the peer's OpenAI
-endpoint (no `speculative` field), its rows tagged with its name, and each of our rows gets its tokens/s ÷ the
-peer's at the same client count.
+With peers (`--peer llama-server,llama-server:ngram-mod,...`, bench/peer_server.py: llama-server in each
+configuration named, one after another), the same rounds then run against each peer's OpenAI endpoint (no
+`speculative` field), its rows tagged with its name, and every row gets its tokens/s ÷ each peer's at the same
+client count, and ÷ the best of them there (`versus`).
 """
 
 from __future__ import annotations
@@ -181,15 +182,29 @@ def label(row: dict[str, Any]) -> str:
     return row.get("peer") or row.get("strategy") or "server default"
 
 
+def level(row: dict[str, Any]) -> tuple[int, bool]:
+    """A round's level: its client count, and whether it is the one-by-one round."""
+    return row["clients"], bool(row.get("reference"))
+
+
 def versus(rows: list[dict[str, Any]], peer_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`rows`, each with `vs_peer`: its tokens/s ÷ the peer's at the same client count (the one-by-one round with
-    the peer's one-by-one round), then `peer_rows`."""
-    theirs = {(r["clients"], bool(r.get("reference"))): r["throughput_tokens_per_s"] for r in peer_rows}
+    """`rows`, then `peer_rows`, each with `vs_peers`: its tokens/s ÷ each peer's at the same level (client count;
+    the one-by-one round with the peers' one-by-one rounds), and `vs_peer`: ÷ the best peer's there, the one with
+    the most tokens/s (`peer_best` names it). With one peer, its own rows get none (they would be ÷ themselves)."""
+    theirs: dict[tuple[int, bool], dict[str, float]] = {}
+    for r in peer_rows:
+        theirs.setdefault(level(r), {})[r["peer"]] = r["throughput_tokens_per_s"]
+    several = len({r["peer"] for r in peer_rows}) > 1
     out = []
-    for r in rows:
-        t = theirs.get((r["clients"], bool(r.get("reference"))))
-        out.append(r | {"vs_peer": r["throughput_tokens_per_s"] / t} if t else r)
-    return out + peer_rows
+    for r in rows + peer_rows:
+        at = {peer: tps for peer, tps in theirs.get(level(r), {}).items() if tps > 0}
+        if not at or (r.get("peer") and not several):
+            out.append(r)
+            continue
+        best = max(at, key=lambda peer: at[peer])
+        vs = {peer: r["throughput_tokens_per_s"] / tps for peer, tps in at.items()}
+        out.append(r | {"vs_peers": vs, "vs_peer": vs[best], "peer_best": best})
+    return out
 
 
 def same_answers(ours: dict[str, str], theirs: dict[str, str]) -> tuple[int, int]:
@@ -198,21 +213,40 @@ def same_answers(ours: dict[str, str], theirs: dict[str, str]) -> tuple[int, int
     return sum(ours[p] == theirs[p] for p in both), len(both)
 
 
+def ratio_columns(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """The table's ratio columns, (header, cell of a row): with one peer, ÷ it; with several, ÷ the best at the
+    row's level (named) and ÷ llama-server's plain decoding where that ran."""
+    peers = list(dict.fromkeys(r["peer"] for r in rows if r.get("peer")))
+    if len(peers) == 1:
+        return [(f"÷ {peers[0]}", lambda r: f"{r['vs_peer']:.2f}" if r.get("vs_peer") is not None else "-")]
+    if not peers:
+        return []
+
+    def best(r: dict[str, Any]) -> str:
+        return f"{r['vs_peer']:.2f} ({r['peer_best']})" if r.get("vs_peer") is not None else "-"
+
+    columns = [("÷ llama-server best", best)]
+    if "llama-server" in peers:
+        columns.append(("÷ llama-server", lambda r: f"{r['vs_peers']['llama-server']:.2f}"
+                        if "llama-server" in r.get("vs_peers", {}) else "-"))
+    return columns
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """A markdown table, one row per round; with peer rows, the server column and our tokens/s ÷ the peer's."""
-    peer = next((r["peer"] for r in rows if r.get("peer")), None)
-    cols = ["strategy", "clients", "requests", "tokens", "wall s", "tokens/s"] + ([f"÷ {peer}"] if peer else []) + [
+    """A markdown table, one row per round; with peer rows, the server column and the ratio columns
+    (`ratio_columns`: tokens/s ÷ the peer's, or ÷ the best peer's and ÷ llama-server's plain decoding)."""
+    peer = any(r.get("peer") for r in rows)
+    ratios = ratio_columns(rows)
+    cols = ["strategy", "clients", "requests", "tokens", "wall s", "tokens/s"] + [h for h, _ in ratios] + [
         "TTFT p50 / p99 s", "TPOT p50 / p99 s", "latency p50 / max s", "tau", "same answers", "peak GiB"]
-    lines = ["| " + " | ".join(["server"] * bool(peer) + cols) + " |", "|" + "---|" * (len(cols) + bool(peer))]
+    lines = ["| " + " | ".join(["server"] * peer + cols) + " |", "|" + "---|" * (len(cols) + peer)]
     for r in rows:
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
         clients = f"{r['clients']} (one by one)" if r.get("reference") else r["clients"]
         same = "-" if r.get("reference") else f"{r['requests'] - r['answers_differing']} / {r['requests']}"
         cells = ([r.get("peer") or "speculor"] if peer else []) + [
             r.get("strategy") or ("-" if r.get("peer") else "server default"), clients, r["requests"], r["tokens"],
-            f"{r['wall_s']:.1f}", f"{r['throughput_tokens_per_s']:.2f}"]
-        if peer:
-            cells.append(f"{r['vs_peer']:.2f}" if r.get("vs_peer") is not None else "-")
+            f"{r['wall_s']:.1f}", f"{r['throughput_tokens_per_s']:.2f}"] + [cell(r) for _, cell in ratios]
         cells += [f"{r['ttft_median_s']:.2f} / {r['ttft_p99_s']:.2f}",
                   f"{r['tpot_median_s']:.3f} / {r['tpot_p99_s']:.3f}",
                   f"{r['latency_median_s']:.1f} / {r['latency_max_s']:.1f}", tau, same,

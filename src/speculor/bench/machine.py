@@ -38,13 +38,14 @@ def _machine_busy_s() -> float | None:
     return (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / TICK
 
 
-def others_cores(before: Snapshot, after: Snapshot) -> float | None:
+def others_cores(before: Snapshot, after: Snapshot, also_ours: float | None = None) -> float | None:
     """Mean number of cores other processes kept busy between two snapshots; None where it cannot be told
-    (no /proc/stat, or an interval too short for the clock ticks)."""
+    (no /proc/stat, or an interval too short for the clock ticks). `also_ours`: CPU seconds of a process that
+    worked for us meanwhile (a peer server's), not counted as another's."""
     wall = after.wall - before.wall
     if before.busy is None or after.busy is None or wall < MIN_WALL_S:
         return None
-    return max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
+    return max(0.0, (after.busy - before.busy) - (after.own - before.own) - (also_ours or 0.0)) / wall
 
 
 def load_at_start(sample_s: float = 1.0) -> dict[str, float | None]:

@@ -15,6 +15,11 @@ GGUF file, and transformers' own speculative generation.
                             falls below assistant_confidence_threshold = 0.4
     hf-prompt-lookup        generate(prompt_lookup_num_tokens=10)      (n-gram lookup in the prompt)
 
+    llama-server            llama.cpp's own server over the target's GGUF, the same threads, one request at a time
+    llama-server:CONFIG     through its /completion with the prompt's token ids: plain decoding, or its own
+                            speculation (CONFIG: ngram-mod, draft, ngram-simple, ...; bench/peer_server.py CONFIGS);
+                            each configuration's server started once a round and kept for it (bench/run.py)
+
 transformers reads the assisted-generation settings from the draft model's generation_config (and the heuristic
 schedule writes its last draft length back there); the peers set them for the call and restore them after.
 
@@ -29,11 +34,13 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from speculor.bench import peer_server
 from speculor.config import SamplingConfig
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Pair
@@ -42,8 +49,9 @@ from speculor.runtime.lean import is_joined
 from speculor.runtime.load import load_model
 from speculor.runtime.model import Model
 
+SERVER_PEERS = tuple(peer_server.label(c) for c in peer_server.CONFIGS)  # llama-server, llama-server:ngram-mod, ...
 PEERS = ("llama.cpp", "llama.cpp-lookup", "hf-assisted", "hf-assisted-heuristic", "hf-assisted-confidence",
-         "hf-prompt-lookup")
+         "hf-prompt-lookup", *SERVER_PEERS)
 LLAMA_PEERS = ("llama.cpp", "llama.cpp-lookup")  # the peers that run llama-cpp-python over the target's GGUF
 LOOKUP_TOKENS = 2  # llama.cpp-lookup's num_pred_tokens: llama-cpp-python's README advises 2 on CPU-only machines
 ASSISTANT_SETTINGS: dict[str, dict[str, Any]] = {
@@ -109,18 +117,58 @@ def _generate(pair: Pair, name: str, ids: torch.Tensor, kwargs: dict) -> tuple[t
         return out, time.perf_counter() - t0
 
 
-def unfit(pair: Pair, name: str) -> str:
+def unfit(pair: Pair, name: str, binary: str | None = None) -> str:
     """Why peer `name` cannot run beside this pair ('' where it can): llama.cpp's needs the target's GGUF file and
-    llama-cpp-python, transformers' peers a pair on torch."""
-    from speculor.runtime import embedded, llama
+    llama-cpp-python (llama-server: its binary, `binary` or found; its `draft` configuration: the draft's GGUF
+    file too),
+    transformers' peers a pair on torch."""
+    from speculor.runtime import llama
 
+    if name in SERVER_PEERS:
+        try:
+            peer_server.find_binary(binary)
+        except SpeculorError:
+            return "no llama-server binary (`make llama-server`)"
+        target, draft = server_ggufs(pair)
+        if target is None:
+            return "the target is not a GGUF file"
+        return "the draft is not a GGUF file" if draft is None and peer_server.config_of(name) == "draft" else ""
     if name in LLAMA_PEERS:
         if not llama.available():
             return "llama-cpp-python is not installed"
-        if pair.target_name not in embedded.EMBEDDED and not pair.target_name.endswith(".gguf"):
-            return "the target is not a GGUF file"
-        return ""
+        return "" if is_gguf(pair.target_name) else "the target is not a GGUF file"
     return "" if pair.backend == "torch" else f"it runs the models in transformers, the pair is on {pair.backend}"
+
+
+def is_gguf(spec: str | None) -> bool:
+    """Whether a model spec names a GGUF file (an embedded model's or a .gguf path)."""
+    from speculor.runtime import embedded
+
+    return bool(spec) and (spec in embedded.EMBEDDED or spec.endswith(".gguf"))
+
+
+def server_ggufs(pair: Pair) -> tuple[Path | None, Path | None]:
+    """The GGUF files llama-server runs beside this pair: the target's and the draft's (None where not GGUF)."""
+    from speculor.runtime.prepare import gguf_file
+
+    return tuple(gguf_file(name) if is_gguf(name) else None  # type: ignore[return-value]
+                 for name in (pair.target_name, pair.draft_name))
+
+
+def open_servers(pair: Pair, labels: list[str], context: int, log_dir: Path | None,
+                 binary: str | None = None) -> peer_server.Servers | nullcontext[None]:
+    """The llama-servers bench's peer rows `labels` ask (bench/peer_server.py `Servers`: each started at its first
+    request of a round, stopped at the round's end and the run's), or a nullcontext where none is asked; a
+    SpeculorError where they cannot run."""
+    if not any(label in SERVER_PEERS for label in labels):
+        return nullcontext()
+    target, draft = server_ggufs(pair)
+    if target is None:
+        raise SpeculorError("the llama-server peers run the target's GGUF file: the target is not one")
+    if draft is None and f"{peer_server.SERVER}:draft" in labels:
+        raise SpeculorError("llama-server:draft runs the draft's GGUF file (-md): the draft is not one")
+    return peer_server.Servers(peer_server.find_binary(binary), target, draft, threads=torch.get_num_threads(),
+                               context=context, log_dir=log_dir)
 
 
 def peer_generate(pair: Pair, name: str, prompt: list[int], cfg: SamplingConfig,

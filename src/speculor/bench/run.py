@@ -29,9 +29,10 @@ from speculor.bench import prompts as prompt_sets
 from speculor.bench.batch import format_batched, run_batched, sampling, summarize_batched
 from speculor.bench.checks import check, start_warnings, timed_note
 from speculor.bench.config import QUICK_NOTE, BenchConfig
-from speculor.bench.peers import PEERS, peer_generate, unfit
+from speculor.bench.peer_server import Servers, config_of, fitting_context
+from speculor.bench.peers import PEERS, SERVER_PEERS, open_servers, peer_generate, unfit
 from speculor.bench.specs import Spec
-from speculor.bench.summary import cell, format_table, sum_stats, summarize
+from speculor.bench.summary import cell, drafts_note, format_table, sum_stats, summarize
 from speculor.config import SamplingConfig
 from speculor.engine import Stats
 from speculor.runtime.backend import Pair, forward1
@@ -40,8 +41,13 @@ from speculor.runtime.memory import peak_memory_gib, reset_peak_memory
 __all__ = ["cell", "format_table", "peak_memory_gib", "reset_peak_memory", "run", "sum_stats", "summarize"]
 
 
-def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig) -> dict[str, Any]:
-    """One generation -> a record (tokens, wall time, per-step tree size, draft forwards, acceptance, time split)."""
+def run_one(sp: Speculor, spec: Spec, ids: list[int], cfg: SamplingConfig,
+            servers: Servers | None = None) -> dict[str, Any]:
+    """One generation -> a record (tokens, wall time, per-step tree size, draft forwards, acceptance, time split);
+    llama-server's rows through `servers`."""
+    if spec.name in SERVER_PEERS:
+        assert servers is not None, "llama-server's rows need their servers"
+        return servers.generate(config_of(spec.name), ids, cfg, sp.eos_ids) | {"steps": None}
     if spec.name in PEERS:
         tokens, wall, first = peer_generate(sp.pair, spec.name, ids, cfg, sp.eos_ids)
         return {"token_ids": tokens, "wall_s": wall, "steps": None} | ({} if first is None else {"prefill_s": first})
@@ -92,7 +98,8 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
     prompts = prompt_sets.load(list(cfg.sets), cfg.limit)
     sp = Speculor(load_pair(), strategy="plain")
     # --quick's own list: only the peers that run beside this pair (whose backend auto may have just chosen)
-    dropped = {s.label: why for s in specs if cfg.fit_peers and s.name in PEERS and (why := unfit(sp.pair, s.name))}
+    dropped = {s.label: why for s in specs
+               if cfg.fit_peers and s.name in PEERS and (why := unfit(sp.pair, s.name, cfg.llama_server))}
     if dropped:
         specs = [s for s in specs if s.label not in dropped]
         cfg = replace(cfg, strategies=tuple(specs))
@@ -111,7 +118,7 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
     summary = summarize(records, [s.label for s in specs], temps)
     warnings = start_warnings(load) + check(summary, records, temps, _cost(sp))
     print(format_table(summary))
-    notes = [QUICK_NOTE] if cfg.quick else []
+    notes = ([QUICK_NOTE] if cfg.quick else []) + [n for n in [drafts_note(summary)] if n]
     if dropped:
         notes.append(f"peers left out on {sp.pair.backend}: " + "; ".join(f"{k} ({v})" for k, v in dropped.items()))
     if setup_peak is not None:
@@ -137,38 +144,53 @@ def run(cfg: BenchConfig, load_pair: Callable[[], Pair]) -> dict[str, Any]:
 
 def _run_rounds(sp: Speculor, cfg: BenchConfig, prompts: list, encoded: list[list[int]]) -> list[dict[str, Any]]:
     """Every (temperature, prompt, strategy) once per round; the strategies' order shuffled per prompt and round.
-    With --out, each record is also appended to records.partial.jsonl as it comes: a run stopped early keeps them."""
-    device = sp.pair.target.device
-    records = []
-    specs, temps = list(cfg.strategies), list(cfg.temperatures)
+    With --out, each record is also appended to records.partial.jsonl as it comes: a run stopped early keeps them.
+    llama-server's rows ask the servers `open_servers` keeps (stopped at the end, however the run ends)."""
     partial = Path(cfg.out) / "records.partial.jsonl" if cfg.out else None
     if partial:
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text("")
+    specs, temps = list(cfg.strategies), list(cfg.temperatures)
     bar = tqdm(total=cfg.rounds * len(temps) * len(prompts) * len(specs), desc="bench", unit="gen")
-    for rnd in range(cfg.rounds):
-        sp.forget()  # a round starts as a fresh server: no strategy remembers an earlier round's answers
-        rng = random.Random(cfg.seed + rnd)
-        for temp in temps:
-            for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
-                sampling = SamplingConfig(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0,
-                                          seed=cfg.seed + i, max_new_tokens=cfg.max_new_tokens)
-                order = list(specs)
-                rng.shuffle(order)
-                for pos, spec in enumerate(order):
-                    reset_peak_memory(device)
-                    before = machine.snapshot()
-                    rec = run_one(sp, spec, ids, sampling)
-                    rec["others_cores"] = machine.others_cores(before, machine.snapshot())
-                    rec |= {"strategy": spec.label, "temperature": temp, "prompt_id": prompt.id, "set": prompt.set,
-                            "category": prompt.category, "new_tokens": len(rec["token_ids"]), "round": rnd,
-                            "position": pos, "peak_memory_gib": peak_memory_gib(device)}
-                    records.append(rec)
-                    if partial:
-                        with partial.open("a") as f:
-                            f.write(json.dumps(rec) + "\n")
-                    bar.update()
+    context = fitting_context(max(map(len, encoded)), cfg.max_new_tokens)
+    records: list[dict[str, Any]] = []
+    with open_servers(sp.pair, [s.label for s in specs], context, Path(cfg.out) if cfg.out else None,
+                      cfg.llama_server) as servers:
+        for rnd in range(cfg.rounds):
+            sp.forget()  # a round starts as a fresh server: no strategy remembers an earlier round's answers
+            if servers is not None:
+                servers.forget()  # nor does llama-server: each configuration starts anew at its first request
+            records += _round(sp, cfg, rnd, prompts, encoded, servers, partial, bar)
     bar.close()
+    return records
+
+
+def _round(sp: Speculor, cfg: BenchConfig, rnd: int, prompts: list, encoded: list[list[int]],
+           servers: Servers | None, partial: Path | None, bar: tqdm) -> list[dict[str, Any]]:
+    """One round: every (temperature, prompt, strategy) once, the strategies' order shuffled per prompt."""
+    device = sp.pair.target.device
+    rng = random.Random(cfg.seed + rnd)
+    records = []
+    for temp in cfg.temperatures:
+        for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
+            sampling = SamplingConfig(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0, seed=cfg.seed + i,
+                                      max_new_tokens=cfg.max_new_tokens)
+            order = list(cfg.strategies)
+            rng.shuffle(order)
+            for pos, spec in enumerate(order):
+                reset_peak_memory(device)
+                before = machine.snapshot()
+                rec = run_one(sp, spec, ids, sampling, servers)
+                # a llama-server's CPU time is this generation's, not another process's
+                rec["others_cores"] = machine.others_cores(before, machine.snapshot(), rec.pop("server_cpu_s", None))
+                rec |= {"strategy": spec.label, "temperature": temp, "prompt_id": prompt.id, "set": prompt.set,
+                        "category": prompt.category, "new_tokens": len(rec["token_ids"]), "round": rnd,
+                        "position": pos, "peak_memory_gib": rec.get("peak_memory_gib", peak_memory_gib(device))}
+                records.append(rec)
+                if partial:
+                    with partial.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                bar.update()
     return records
 
 
@@ -206,9 +228,11 @@ WARM_UP_TOKENS = 16  # a short prompt: the warm-up is for first-call costs, not 
 
 
 def _warm_up(sp: Speculor, specs: list[Spec], ids: list[int]) -> None:
+    """A short generation of every strategy and in-process peer (llama-server's warm up as they start)."""
     cfg = SamplingConfig(max_new_tokens=4)
     for spec in specs:
-        run_one(sp, spec, ids, cfg)
+        if spec.name not in SERVER_PEERS:
+            run_one(sp, spec, ids, cfg)
 
 
 def _check_identity(pair: Pair, records: list[dict[str, Any]], encoded: list[list[int]], prompts: list) -> None:

@@ -16,10 +16,18 @@ class Spec:
 
 
 def parse_strategies(text: str) -> list[Spec]:
-    """'plain,chain:k=2' -> [Spec('plain','plain',{}), Spec('chain:k=2','chain',{'k': 2})]; plain comes first."""
+    """'plain,chain:k=2' -> [Spec('plain','plain',{}), Spec('chain:k=2','chain',{'k': 2})]; plain comes first.
+    llama-server's rows name a configuration after the colon ('llama-server:ngram-mod', 'llama-server:all': one
+    row each; bench/peer_server.py), a Spec whose name is its label."""
+    from speculor.bench import peer_server
+
     specs = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, *opts = item.split(":")
+        if name == peer_server.SERVER:
+            labels = map(peer_server.label, peer_server.parse_peers(item))
+            specs += [Spec(label, label) for label in labels if label not in {s.label for s in specs}]
+            continue
         options = {}
         for o in opts:
             key, sep, value = o.partition("=")

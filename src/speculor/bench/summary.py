@@ -29,7 +29,39 @@ def summarize(records: list[dict[str, Any]], labels: list[str], temps: list[floa
                 by_t[str(temp)] |= spread("vs_llama_cpp", round_ratios(rows, peer))
                 decode = decode_ratios(rows, peer)
                 by_t[str(temp)]["vs_llama_cpp_decode"] = statistics.median(decode) if decode else None
+            if best := server_best(records, temp):
+                by_t[str(temp)]["vs_llama_server_best"] = versus_best(rows, records, temp, best)
         out[label] = {**by_t[str(temps[0])], "by_temperature": by_t}
+    return out
+
+
+def is_server(label: str) -> bool:
+    """Whether a row is llama-server's (`llama-server` or `llama-server:CONFIG`, bench/peer_server.py)."""
+    return label == "llama-server" or label.startswith("llama-server:")
+
+
+def server_best(records: list[dict[str, Any]], temp: float) -> dict[str, str]:
+    """Per prompt set: llama-server's configuration (its row's label) with the most tokens/s at `temp`, all its
+    rounds pooled ({} where no llama-server row ran)."""
+    rows = [r for r in records if is_server(r["strategy"]) and r["temperature"] == temp]
+    out = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        mine = [r for r in rows if r["set"] == name]
+        tps = {label: tokens_per_s([r for r in mine if r["strategy"] == label])
+               for label in dict.fromkeys(r["strategy"] for r in mine)}
+        out[name] = max(tps, key=lambda label: tps[label])
+    return out
+
+
+def versus_best(rows: list[dict[str, Any]], records: list[dict[str, Any]], temp: float,
+                best: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per prompt set: {best: llama-server's best configuration there, ratio: the median over rounds of `rows`'
+    tokens/s in that set ÷ the best's in the same round (None where no round had both)}."""
+    out = {}
+    for name, label in best.items():
+        base = [r for r in records if r["strategy"] == label and r["temperature"] == temp and r["set"] == name]
+        ratios = round_ratios([r for r in rows if r["set"] == name], base)
+        out[name] = {"best": label, "ratio": statistics.median(ratios) if ratios else None}
     return out
 
 
@@ -85,6 +117,9 @@ def aggregate(rows: list[dict[str, Any]], base: list[dict[str, Any]], temp: floa
     peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
     agg["peak_memory_gib"] = max(peaks) if peaks else None
     agg["drafter_stats"] = sum_stats([r.get("drafter_stats") for r in rows])
+    if timings := [r["server_timings"] for r in rows if r.get("server_timings") is not None]:  # llama-server's own
+        agg["server_drafted"] = sum(t.get("draft_n", 0) for t in timings)
+        agg["server_accepted"] = sum(t.get("draft_n_accepted", 0) for t in timings)
     if steps:
         depth = max(steps)
         agg["acceptance_by_depth"] = [sum(a >= d for a in steps) / len(steps) for d in range(1, depth + 1)]
@@ -140,14 +175,18 @@ def sum_stats(dicts: list[dict[str, float] | None]) -> dict[str, float] | None:
 
 def format_table(summary: dict[str, Any]) -> str:
     """Markdown: per strategy and temperature τ, tree size, draft forwards per step, speed with its spread over
-    rounds ÷ our plain decoding (and ÷ llama.cpp's own plain decoding where that peer ran), the cost model's
-    predicted speedup, identity, time split and peak memory."""
+    rounds ÷ our plain decoding (and ÷ llama.cpp's own plain decoding where that peer ran, and ÷ llama-server's
+    best configuration in each prompt set where its rows ran: named below the table), the cost model's predicted
+    speedup, identity, time split and peak memory."""
     llama = any("vs_llama_cpp" in a for s in summary.values() for a in s["by_temperature"].values())
+    sets = list(dict.fromkeys(name for s in summary.values() for a in s["by_temperature"].values()
+                              for name in a.get("vs_llama_server_best") or {}))
     head = ("| strategy | T | tau | tree | draft fwd/step | tokens/s | ÷ our plain (min–max) | "
             + ("÷ llama.cpp plain (decode) | " if llama else "")
+            + "".join(f"÷ llama-server best ({name}) | " for name in sets)
             + "predicted | decode speedup | greedy identical | prefill / draft / verify / other | host ms/step "
             + "(share) | peak GiB |")
-    lines = [head, "|" + "---|" * (13 + llama)]
+    lines = [head, "|" + "---|" * (13 + llama + len(sets))]
     for label, s in summary.items():
         for temp, a in s["by_temperature"].items():
             ident = "-" if a["greedy_identical"] is None else f"{a['greedy_identical']:.0%}"
@@ -157,6 +196,8 @@ def format_table(summary: dict[str, Any]) -> str:
                 [f"{split[k]:.0%}" for k in parts] + [f"{1 - sum(split[k] for k in parts):.0%}"])
             decode = "" if a.get("vs_llama_cpp_decode") is None else f" ({a['vs_llama_cpp_decode']:.2f}x)"
             speed = with_spread(a, "speedup") + (f" | {cell(a, 'vs_llama_cpp', unit='x')}{decode}" if llama else "")
+            speed += "".join(f" | {cell((a.get('vs_llama_server_best') or {}).get(n, {}), 'ratio', unit='x')}"
+                             for n in sets)
             predicted = cell(a, "predicted_speedup", unit="x")
             if a.get("model_check"):
                 predicted += f" {a['model_check']}"
@@ -164,7 +205,28 @@ def format_table(summary: dict[str, Any]) -> str:
                          f"| {cell(a, 'draft_forwards_per_step', '.1f')} | {a['tokens_per_s']:.2f} | {speed} "
                          f"| {predicted} | {cell(a, 'decode_speedup', unit='x')} | {ident} "
                          f"| {split_s} | {host_cell(a)} | {cell(a, 'peak_memory_gib', '.1f')} |")
-    return "\n".join(lines)
+    return "\n".join(lines + best_note(summary))
+
+
+def drafts_note(summary: dict[str, Any]) -> str | None:
+    """llama-server's own draft tokens, accepted / drafted, per speculating configuration (its `timings`; 'drafted
+    nothing' where its speculation never ran: short answers with nothing to copy, or a configuration that loads no
+    drafter); None where no such row ran."""
+    said = []
+    for label, s in summary.items():
+        if is_server(label) and label != "llama-server" and s.get("server_drafted") is not None:
+            drafted, accepted = s["server_drafted"], s["server_accepted"]
+            said.append(f"{label} {accepted} / {drafted}" if drafted else f"{label} drafted nothing")
+    return "llama-server's own drafts at the first temperature (accepted / drafted): " + ", ".join(said) if said \
+        else None
+
+
+def best_note(summary: dict[str, Any]) -> list[str]:
+    """The line under the table naming llama-server's best configuration per prompt set and temperature."""
+    first = next(iter(summary.values()), {"by_temperature": {}})
+    said = [f"{name} T={temp}: {v['best']}" for temp, a in first["by_temperature"].items()
+            for name, v in (a.get("vs_llama_server_best") or {}).items()]
+    return ["", "llama-server's best configuration (most tokens/s) per set: " + "; ".join(said)] if said else []
 
 
 def host_cell(agg: dict[str, Any]) -> str:
