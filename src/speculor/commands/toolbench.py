@@ -120,7 +120,9 @@ def _command(server: str, port: int, args: Args) -> list[str]:
     if "ngram-mod" in server:
         cmd += ["--spec-type", "ngram-mod"]
     if server.endswith("-md"):
-        cmd += ["-md", str(embedded.ensure_gguf(embedded.DEFAULT_DRAFT, download=True)), "--spec-draft-n-max", "3"]
+        # -md alone loads the draft and never drafts with it (its log has no "draft acceptance"): draft-simple
+        cmd += ["--spec-type", "draft-simple", "-md", str(embedded.ensure_gguf(embedded.DEFAULT_DRAFT, download=True)),
+                "--spec-draft-n-max", "3"]
     return cmd
 
 
