@@ -201,13 +201,13 @@ class LlamaModel:
             rows = b.cache.rows(b)
             want = [not b.last or j == len(rows) - 1 for j in range(len(rows))]
             planned.append(BlockRows(i, rows, want, b.parents is None and len(rows) > limit))
-        side = {p.index for p in planned if p.prompt and self._fills(blocks[p.index], p.rows)}
+        aside = {p.index for p in planned if p.prompt and self._fills(blocks[p.index], p.rows)}
         out: list[list[np.ndarray]] = [[] for _ in blocks]
         hidden: list[list[np.ndarray]] = [[] for _ in blocks]
-        for i in sorted(side):  # in the prompts' context (runtime/llama/fill.py)
+        for i in sorted(aside):  # in the prompts' context (runtime/llama/fill.py)
             self.kernel_s += self.prompt_contexts[0].fill(self.cell_state, blocks[i].cache, planned[i].rows,
                                                           planned[i].want, out[i], hidden[i], blocks[i].hidden)
-        for call in pack([p for p in planned if p.index not in side], limit, chunk):
+        for call in pack([p for p in planned if p.index not in aside], limit, chunk):
             # llama.cpp outputs every row of a call with embeddings on: only where a row's are wanted
             self._embeddings(any(blocks[i].hidden and any(want) for i, _, want in call))
             self.decode(call, out, hidden)
