@@ -411,11 +411,12 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
     assert ctx.traits.root_in_prompt
 
-    def chunked(p):  # the step that fills the last chunk draws the first token at once: its logits seen there
+    def chunked(p):  # the step that fills the last chunk (or the first, where the memory lent it all at admission)
+        # draws the first token at once: its logits seen there
         a = batched_engine.Active(engine.start(ctx, None, p, cfg, prefill=False), frozenset())
         seen, settle = [], batched_engine.settle
         monkeypatch.setattr(batched_engine, "settle", lambda req, *x: seen.append(req.root_result) or settle(req, *x))
-        while a.req.unfilled:
+        while not seen:
             batched_engine.step(ctx, [a])
         monkeypatch.setattr(batched_engine, "settle", settle)
         return [seen[0].logits[0], *steps_after(ctx, a.req.cache, a.req.seq[-1])]
