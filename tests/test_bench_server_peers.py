@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from support.bench import bench_config
+from support.fake_server import install
 from support.server import TEXTS, tiny_pair
 
 from speculor import cli
@@ -73,11 +72,7 @@ FAKE = textwrap.dedent('''\
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "llama-server"
-    path.write_text(FAKE.format(python=sys.executable))
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
-    return path
+    return install(FAKE, tmp_path, monkeypatch)
 
 
 @pytest.fixture

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
-import sys
 import textwrap
 from argparse import Namespace
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from support.fake_server import install
 
 from speculor import cli
 from speculor.bench import loadtest, peer_server, prompts
@@ -76,11 +77,7 @@ FAKE = textwrap.dedent('''\
 @pytest.fixture
 def fake(tmp_path, monkeypatch) -> Path:
     """An executable fake llama-server; its records go to tmp_path."""
-    path = tmp_path / "llama-server"
-    path.write_text(FAKE.format(python=sys.executable))
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
-    return path
+    return install(FAKE, tmp_path, monkeypatch)
 
 
 @pytest.fixture
@@ -315,21 +312,28 @@ def test_a_peer_that_dies_is_reported_with_its_log(fake, gguf, tmp_path, monkeyp
     assert "boom: cannot load the model" in str(err.value)
 
 
+@contextmanager
+def our_server(fake: Path, tmp_path: Path) -> Iterator[int]:
+    """The fake started as our own server (the loadtest's --url), healthy; its port. Stopped after."""
+    port = peer_server.free_port()
+    ours = subprocess.Popen([str(fake), "--port", str(port)], stdout=subprocess.DEVNULL)
+    try:
+        peer_server.wait_healthy(ours, f"http://127.0.0.1:{port}", tmp_path / "none.log", 30)
+        yield port
+    finally:
+        peer_server.stop(ours)
+
+
 def test_loadtest_with_the_peer_end_to_end(fake, gguf, tmp_path, monkeypatch, capsys) -> None:
     """Our server (the fake again, started here) and the peer through `speculor loadtest --peer llama-server`."""
     monkeypatch.setattr(prompts, "load", lambda sets, limit: [prompts.Prompt(f"p{i}", "mtbench", "writing", text,
                                                                             True) for i, text in
                                                               enumerate(["alpha one", "beta two", "gamma"])])
-    port = peer_server.free_port()
-    ours = subprocess.Popen([str(fake), "--port", str(port)], stdout=subprocess.DEVNULL)
-    try:
-        peer_server.wait_healthy(ours, f"http://127.0.0.1:{port}", tmp_path / "none.log", 30)
+    with our_server(fake, tmp_path) as port:
         out = tmp_path / "load.json"
         code = cli.main(["loadtest", "--url", f"http://127.0.0.1:{port}", "--clients", "1,2", "--max-tokens", "3",
                          "--strategy", "chain", "--peer", "llama-server", "--llama-server", str(fake),
                          "--gguf", str(gguf), "--threads", "2", "--out", str(out)])
-    finally:
-        peer_server.stop(ours)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     rows = json.loads(out.read_text())
@@ -359,16 +363,11 @@ def test_loadtest_with_two_configurations_end_to_end(fake, gguf, tmp_path, monke
                                                                             True)])
     draft = tmp_path / "draft.gguf"
     draft.write_bytes(b"GGUF")
-    port = peer_server.free_port()
-    ours = subprocess.Popen([str(fake), "--port", str(port)], stdout=subprocess.DEVNULL)
-    try:
-        peer_server.wait_healthy(ours, f"http://127.0.0.1:{port}", tmp_path / "none.log", 30)
+    with our_server(fake, tmp_path) as port:
         out = tmp_path / "load.json"
         code = cli.main(["loadtest", "--url", f"http://127.0.0.1:{port}", "--clients", "1", "--max-tokens", "3",
                          "--peer", "llama-server:ngram-mod,llama-server:draft", "--llama-server", str(fake),
                          "--gguf", str(gguf), "--draft-gguf", str(draft), "--threads", "2", "--out", str(out)])
-    finally:
-        peer_server.stop(ours)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     rows = json.loads(out.read_text())
