@@ -19,17 +19,10 @@ LAYERS = ["core", "runtime", "drafters", "engine", "api", "methods", "serving", 
 MAX_FUNCTION = 60  # lines of a function or method, decorators and docstring included
 
 
-def speculor_imports(path: Path, type_checking: bool = True) -> set[str]:
-    """Every `speculor.*` module a file imports, at top level or inside functions (and, unless type_checking is
-    False, under `if TYPE_CHECKING:`)."""
-    tree = ast.parse(path.read_text())
-    typing_only = set() if type_checking else {
-        id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-        for stmt in block.body for n in ast.walk(stmt)}
+def speculor_imports(path: Path) -> set[str]:
+    """Every `speculor.*` module a file imports, at top level, inside functions or under `if TYPE_CHECKING:`."""
     out = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("speculor"):
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
