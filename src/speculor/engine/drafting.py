@@ -17,9 +17,8 @@ any batch. A lone sampled request drafts the same way, so a seed gives the same 
 
 The batch-aware budget (docs/algorithms.md §11.1) reads request i's live `PlanView` of the step's `BatchPlan`: the
 other requests' target rows and expected tokens as their trees stand now, and their rows in each round's draft
-forward. A request
-that names a seed gets no view: it sizes its tree as if alone, so its seed gives the same sample in any batch (the
-shapes of its trees, hence its random draws, cannot depend on its neighbours).
+forward. A request that names a seed gets no view: it sizes its tree as if alone, so its seed gives the same sample
+in any batch (the shapes of its trees, hence its random draws, cannot depend on its neighbours).
 """
 
 from __future__ import annotations
