@@ -135,7 +135,7 @@ def combined(usages: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_per_step": per_step}
 
 
-def _sse(obj: dict[str, Any] | str) -> str:
+def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
@@ -174,29 +174,29 @@ async def sse_stream(jobs: list[Job], fmt: Format, include_usage: bool) -> Async
     """
     if fmt.chat:
         for i in range(len(jobs)):
-            yield _sse(fmt.chunk(i, "", role=True))
+            yield sse(fmt.chunk(i, "", role=True))
     usages = []
     reading = [CallStream(fmt.tools) for _ in jobs] if fmt.chat and fmt.tools else None
     async for i, event in _merged(jobs):
         if isinstance(event, Delta) and reading is None:
-            yield _sse(fmt.chunk(i, event.text, tokens=event.tokens))
+            yield sse(fmt.chunk(i, event.text, tokens=event.tokens))
         elif isinstance(event, Delta):
             for chunk in _read(fmt, i, reading[i].add(event.text), event.tokens):
-                yield _sse(chunk)
+                yield sse(chunk)
         elif isinstance(event, Done):
             finish = event.finish_reason
             if reading is not None:
                 for chunk in _read(fmt, i, reading[i].flush(), ()):
-                    yield _sse(chunk)
+                    yield sse(chunk)
                 finish = "tool_calls" if reading[i].made and finish == "stop" else finish
-            yield _sse(fmt.chunk(i, None, finish))
+            yield sse(fmt.chunk(i, None, finish))
             usages.append(event.usage)
         else:
-            yield _sse(event.error.body())
+            yield sse(event.error.body())
             break
     if include_usage and len(usages) == len(jobs):
-        yield _sse(fmt.usage_chunk(combined(usages)))
-    yield _sse("[DONE]")
+        yield sse(fmt.usage_chunk(combined(usages)))
+    yield sse("[DONE]")
 
 
 def _read(fmt: Format, i: int, events: list[tuple[str, Any]], tokens: tuple[Token, ...]) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculor.serving.errors import APIError
+from speculor.serving.formats import sse
 from speculor.serving.scheduler import Delta, Done, Failed, Job
 from speculor.serving.schemas import CompletionRequest, SpeculativeOptions
 
@@ -205,15 +206,11 @@ class Answer:
         after the headers went out is an `{"error": ...}` event."""
         async for event in job.stream():
             if isinstance(event, Delta):
-                yield _sse(self.partial(event))
+                yield sse(self.partial(event))
             elif isinstance(event, Failed):
-                yield _sse(event.error.body())
+                yield sse(event.error.body())
             else:
-                yield _sse(self.final(event, whole=False))
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+                yield sse(self.final(event, whole=False))
 
 
 def piece(tokenizer: Any, token: int) -> str | list[int]:
@@ -236,8 +233,7 @@ def _byte_level(symbol: str) -> bytes | None:
 
 @functools.cache
 def _byte_table() -> dict[str, int]:
-    """GPT-2's byte-level BPE table, character to byte: printable bytes stand for themselves, the others for
-    characters from U+0100 on."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    others = [b for b in range(256) if b not in kept]
-    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(others)}
+    """GPT-2's byte-level BPE table (transformers'), character to byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
