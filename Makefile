@@ -8,17 +8,25 @@ STAMP := $(VENV)/.installed
 # does not enable (seen here: llama_decode died of SIGILL on `tilezero`)
 AMX_OFF := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE := -DCMAKE_C_FLAGS='$(AMX_OFF)' -DCMAKE_CXX_FLAGS='$(AMX_OFF)'
-# llama-server, the peer of `speculor loadtest --peer llama-server`: built once from the llama.cpp source that the
-# installed llama-cpp-python vendors (its sdist), so that it runs the same kernels; delete it to rebuild
-LLAMA_SERVER := $(or $(SPECULOR_CACHE),$(HOME)/.cache/speculor)/bin/llama-server
+# llama-cpp-python is compiled from its sdist with patches/llama.cpp/*.patch applied (scripts/llama/build.sh): a
+# row's bits then do not depend on its call (docs/algorithms.md §10.5.4); the backend checks that at load
+LLAMA_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+LLAMA_PATCHES := $(wildcard patches/llama.cpp/*.patch)
+CACHE := $(or $(SPECULOR_CACHE),$(HOME)/.cache/speculor)
+# llama-server, the peer of `speculor loadtest --peer llama-server`, and ggml's CPU backend unpatched (the negative
+# control of tests/test_llama_bits.py): built once from the same sdist without the patches; delete them to rebuild
+LLAMA_SERVER := $(CACHE)/bin/llama-server
+STOCK_GGML := $(CACHE)/lib/ggml-stock-$(LLAMA_VERSION)/libggml-cpu.so
 
 .PHONY: setup models bench test unit lint llama-server
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LLAMA_PATCHES) scripts/llama/build.sh
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0          # the CPU build on the project machines
-	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install -q -e ".[server,ray,bench,test]"   # compiles llama-cpp-python (~10 min, once per machine)
+	$(PY) -m pip uninstall -q -y llama-cpp-python 2>/dev/null || true
+	CMAKE_ARGS="$(LLAMA_CMAKE)" bash scripts/llama/build.sh python $(LLAMA_VERSION) $(PY)   # ~10 min, once per machine
+	$(PY) -m pip install -q -e ".[server,ray,bench,test]"
 	$(PY) -m pip install -q --no-deps "bfcl-eval==2026.3.23"   # BFCL's questions and checker (toolbench), not its model SDKs
 	touch $(STAMP)
 
@@ -33,7 +41,7 @@ bench: models
 unit: setup
 	$(PY) -m pytest -q -m "not integration"
 
-test: models
+test: models $(STOCK_GGML)
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m pytest -q
 
@@ -43,11 +51,7 @@ lint: setup
 llama-server: $(LLAMA_SERVER)
 
 $(LLAMA_SERVER): | $(STAMP)                        # ~6 min on 2 cores; needs cmake and a C++ compiler
-	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
-	version=$$($(PY) -c 'from importlib.metadata import version; print(version("llama_cpp_python"))'); \
-	$(PY) -m pip download -q "llama-cpp-python==$$version" --no-deps --no-binary :all: -d "$$tmp"; \
-	mkdir "$$tmp/src"; tar xzf "$$tmp"/llama_cpp_python-*.tar.gz -C "$$tmp/src" --strip-components=1; \
-	cmake -S "$$tmp/src/vendor/llama.cpp" -B "$$tmp/build" -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
-	  -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF $(LLAMA_CMAKE); \
-	cmake --build "$$tmp/build" --target llama-server -j2; \
-	mkdir -p "$(@D)"; cp "$$tmp/build/bin/llama-server" "$@.partial"; mv "$@.partial" "$@"
+	CMAKE_ARGS="$(LLAMA_CMAKE)" bash scripts/llama/build.sh server $(LLAMA_VERSION) $@
+
+$(STOCK_GGML): | $(STAMP)                          # ~3 min on 2 cores
+	CMAKE_ARGS="$(LLAMA_CMAKE)" bash scripts/llama/build.sh stock $(LLAMA_VERSION) $(@D)

@@ -232,7 +232,7 @@ def test_auto_is_chosen_before_loading(monkeypatch, tmp_path):
 
 
 def test_auto_with_a_llama_cpp_call_class_takes_llama_cpp_unmeasured(monkeypatch, capsys, tmp_path):
-    """--calls padded (or batched) is a llama.cpp setting: auto takes llama.cpp without measuring torch (which would
+    """--calls vector (or batched) is a llama.cpp setting: auto takes llama.cpp without measuring torch (which would
     refuse the setting after its profile), says why, and refuses a pair llama.cpp cannot run."""
     import speculor
     from speculor.errors import SpeculorError
@@ -245,15 +245,15 @@ def test_auto_with_a_llama_cpp_call_class_takes_llama_cpp_unmeasured(monkeypatch
     gguf.write_bytes(b"GGUF")
     monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("measured for a llama.cpp setting"))
     monkeypatch.setattr(choice, "torch_only", lambda target, draft, device: "")
-    plan = resolve(PairSpec(str(gguf), None, threads=2, calls="padded"))
-    assert plan == make_plan(PairSpec(str(gguf), None, backend="llama.cpp", threads=2, calls="padded"))
-    assert "chose llama.cpp: --calls padded is a llama.cpp setting" in capsys.readouterr().err
+    plan = resolve(PairSpec(str(gguf), None, threads=2, calls="vector"))
+    assert plan == make_plan(PairSpec(str(gguf), None, backend="llama.cpp", threads=2, calls="vector"))
+    assert "chose llama.cpp: --calls vector is a llama.cpp setting" in capsys.readouterr().err
     assert choice.candidates("t.gguf", None, "cpu", "batched") == ["llama.cpp"]
     assert choice.candidates("t.gguf", None, "cpu") == ["torch", "llama.cpp"]
     with pytest.raises(SpeculorError, match="--draft-vocab a torch one"):
-        speculor.load_pair("t.gguf", "d.gguf", calls="padded", draft_vocab=1024)
+        speculor.load_pair("t.gguf", "d.gguf", calls="vector", draft_vocab=1024)
     monkeypatch.setattr(choice, "torch_only", lambda target, draft, device: "it is not GGUF")
-    with pytest.raises(SpeculorError, match="--calls padded is a llama.cpp setting, and it is not GGUF"):
-        speculor.load_pair("/models/t", None, calls="padded")
-    with pytest.raises(SpeculorError, match="--calls padded is a llama.cpp setting, and it is not GGUF"):
-        choice.candidates("/models/t", None, "cpu", "padded")
+    with pytest.raises(SpeculorError, match="--calls vector is a llama.cpp setting, and it is not GGUF"):
+        speculor.load_pair("/models/t", None, calls="vector")
+    with pytest.raises(SpeculorError, match="--calls vector is a llama.cpp setting, and it is not GGUF"):
+        choice.candidates("/models/t", None, "cpu", "vector")

@@ -1,7 +1,8 @@
 """The llama.cpp backend (runtime/llama/) on the embedded GGUF pair: a tree verified in one forward equals each
 path decoded alone, bit for bit; compaction keeps exactly the accepted path; rows packed with other requests' rows
 equal the same rows alone; speculative decoding equals this backend's plain decoding at T = 0 and has its
-distribution under sampling (chi-square through the engine); negative controls for the row limit and the sampler."""
+distribution under sampling (chi-square through the engine); negative controls for the KV types and the sampler
+(the kernels' own: tests/test_llama_bits.py)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,11 @@ def test_calls_are_timed_by_their_rows(draft):
     calls, before = draft.call_times, list(draft.call_times.n)
     cache = prefilled(draft, PROMPT[:-1])
     assert calls.n == before
-    forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))  # 6 rows: two calls of 3
+    forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))  # 6 rows: one call
     alone(draft, PROMPT + [100, 300])  # three one-row calls
-    assert calls.n == [0, before[1] + 3, before[2], before[3] + 2] and calls.s[1] > 0 and calls.s[3] > 0
+    want = list(before)
+    want[1], want[6] = before[1] + 3, before[6] + 1
+    assert calls.n == want and calls.s[1] > 0 and calls.s[6] > 0
 
 
 def test_a_thread_that_decoded_ends_its_openmp_team(draft):
@@ -90,13 +93,6 @@ def test_keys_and_values_of_one_type_differ_over_a_long_context(llama_pair, monk
     monkeypatch.setattr(llama, "KV_TYPES", ("F16", "F16"))
     f16 = llama.LlamaModel(llama_pair.draft.path, threads=2)
     assert not all(long_rows_alone(f16))
-
-
-def test_rows_past_the_limit_in_one_call_differ(draft, monkeypatch):
-    """Negative control: the whole tree in one llama_decode call (6 rows) does not give the one-row bits."""
-    monkeypatch.setitem(llama.CALLS, "exact", (8, llama.N_BATCH))
-    _, logits = tree_logits(draft)
-    assert any(not torch.equal(logits[row], alone(draft, PROMPT + path)) for row, path in PATHS.items())
 
 
 def test_hidden_states_leave_the_logits_unchanged(draft):
@@ -146,8 +142,10 @@ def test_rows_beside_other_requests_equal_the_rows_alone(draft):
 
 
 def test_tree_blocks_fill_every_call_and_keep_their_rows_alone(draft, monkeypatch):
-    """Blocks of 1, 3, 1 and 3 rows take 3 calls, not 4: a block continues in the next call where the last one has
-    room left (ancestors first), and every row keeps its one-row bits."""
+    """In calls of 3 rows at most (calls="vector"'s limit), blocks of 1, 3, 1 and 3 rows take 3 calls, not 4: a block
+    continues in the next call where the last one has room left (ancestors first), and every row keeps its one-row
+    bits."""
+    monkeypatch.setitem(llama.CALLS, "exact", (llama.EXACT_ROWS, llama.N_BATCH))
     caches = [prefilled(draft, PROMPT[k:-1]) for k in range(4)]
     decode, calls = draft.decode, []
     monkeypatch.setattr(draft, "decode", lambda call, *a: (calls.append(sum(len(r) for _, r, _ in call)),
@@ -164,7 +162,7 @@ def test_tree_blocks_fill_every_call_and_keep_their_rows_alone(draft, monkeypatc
 
 def test_trim_of_a_chain_keeps_its_first_rows(draft):
     cache = prefilled(draft, PROMPT[:-1])
-    forward1(draft, cache, [PROMPT[-1], 100, 200])  # a chain of at most EXACT_ROWS rows: one-row bits
+    forward1(draft, cache, [PROMPT[-1], 100, 200])
     cache.trim(len(PROMPT) + 1)  # the root and 100 stay pending
     cache.keep([0, 1])
     assert torch.equal(forward1(draft, cache, [9]).logits[0], alone(draft, PROMPT + [100, 9]))
@@ -552,11 +550,11 @@ def test_the_prompt_memory_keeps_no_cell_in_the_shared_memory(draft):
     assert lent == 100 and ctx.memory.seq_pos_max(cache.base) == 99
 
 
-def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
-    """calls='batched' runs a forward's rows in llama.cpp's own call sizes (one call for a 6-row tree, where the exact
-    calls take two); a bad value, or the setting on torch, is refused."""
+def test_each_call_class_packs_a_tree_in_its_calls(draft, monkeypatch):
+    """calls='exact' and 'batched' run a 6-row tree in one call, 'vector' in two; a bad value, or the setting on
+    torch, is refused."""
     counted = []
-    for calls in ("exact", "batched"):
+    for calls in ("vector", "exact", "batched"):
         model = llama.LlamaModel(draft.path, threads=2, n_ctx=1024, calls=calls)
         decode = model.decode
         n = [0]
@@ -570,7 +568,7 @@ def test_batched_calls_put_a_tree_in_one_call(draft, monkeypatch):
         n[0] = 0
         forward1(model, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))
         counted.append(n[0])
-    assert counted == [2, 1]
+    assert counted == [2, 1, 1]
     with pytest.raises(SpeculorError, match="calls must be one of"):
         llama.LlamaModel(draft.path, threads=2, calls="fast")
     from speculor import load_pair

@@ -17,9 +17,8 @@ import torch
 from speculor.runtime.backend import Block, Rows
 from speculor.runtime.llama import calls, cells, state
 from speculor.runtime.llama.cache import LlamaCache
-from speculor.runtime.llama.calls import TILED, BlockRows, pack, parts
-from speculor.runtime.llama.cells import GRAVEYARD, PADDING, SLACK, Cells, due
-from speculor.runtime.llama.padded import PAD
+from speculor.runtime.llama.calls import QUAD, TILED, BlockRows, pack, parts
+from speculor.runtime.llama.cells import GRAVEYARD, SLACK, Cells, due
 from speculor.runtime.llama.prompts import Prompts
 
 LIMIT, CHUNK = 3, 16  # a tree's calls (EXACT_ROWS) and a prompt's, small enough for short prompts to take several
@@ -143,7 +142,7 @@ def check_ids(owner: Cells, requests: list[Request]) -> None:
     assert len(held) == len(set(held)), f"an id handed out twice: {sorted(held)}"
     assert len(owner.free_ids) == len(set(owner.free_ids)), "an id free twice"
     assert not set(held) & set(owner.free_ids), "an id held and free at once"
-    assert not {GRAVEYARD, PADDING} & (set(held) | set(owner.free_ids)), "a reserved id handed out"
+    assert not {GRAVEYARD} & (set(held) | set(owner.free_ids)), "a reserved id handed out"
 
 
 def check_ids_back(owner: Cells, before: list[int]) -> None:
@@ -160,7 +159,7 @@ def check_cells(owner: Cells, mem: Recorder) -> None:
 
 def check_graveyard(owner: Cells, mem: Recorder, requests: list[Request]) -> None:
     """Every occupied cell is a live request's or the graveyard's, and every forgotten one the graveyard's."""
-    live = {s for r in requests for s in [r.cache.base, *owner.branch_ids[r.cache.base]]} | {PADDING}
+    live = {s for r in requests for s in [r.cache.base, *owner.branch_ids[r.cache.base]]}
     for c in (mem.cells[i] for i in mem.occupied()):
         assert c.ids & live or c.ids == {GRAVEYARD}, f"a cell held by {c.ids}: neither a live id nor the graveyard"
 
@@ -184,7 +183,7 @@ def check_all(owner: Cells, mem: Recorder, requests: list[Request]) -> None:
 def check_packing(blocks: list[BlockRows], parents: dict[int, list[int]], packed: list, limit: int,
                   chunk: int) -> None:
     """Every row in exactly one call, a tree's ancestors before it, no packed call over `limit`, a prompt in calls
-    of its own as `parts` cuts it: PAD-aligned, at most `chunk` rows, the last of TILED rows or more where there
+    of its own as `parts` cuts it: QUAD-aligned, at most `chunk` rows, the last of TILED rows or more where there
     are several."""
     placed = {}  # (block, row) -> its place (call, rank)
     for c, call in enumerate(packed):
@@ -210,7 +209,7 @@ def check_packing(blocks: list[BlockRows], parents: dict[int, list[int]], packed
 
 def check_prompt_calls(sizes: list[int], chunk: int) -> None:
     starts = np.cumsum([0] + sizes[:-1])
-    assert all(0 < n <= chunk for n in sizes) and all(s % PAD == 0 for s in starts), f"a prompt's calls {sizes}"
+    assert all(0 < n <= chunk for n in sizes) and all(s % QUAD == 0 for s in starts), f"a prompt's calls {sizes}"
     assert len(sizes) == 1 or sizes[-1] >= TILED, f"a prompt's last call under TILED rows: {sizes}"
 
 

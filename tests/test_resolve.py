@@ -123,7 +123,7 @@ def test_the_options_reach_the_plan(cache, files):
     (PairSpec("no-such-folder", None, backend="torch"), "no model at 'no-such-folder': give a folder"),
     (PairSpec("default", "no-such.gguf", backend="torch"), "no model at 'no-such.gguf'"),
     (PairSpec("no-such.gguf", None, backend="llama.cpp"), "runs GGUF files: 'no-such.gguf' is not one"),
-    (PairSpec("default", None, backend="torch", calls="padded"), "--calls padded is a llama.cpp setting"),
+    (PairSpec("default", None, backend="torch", calls="vector"), "--calls vector is a llama.cpp setting"),
     (PairSpec("default", None, backend="torch", draft_vocab=8), "it needs a draft"),
     (PairSpec("default", backend="torch", draft_vocab=-1), "--draft-vocab"),
     (PairSpec(backend="llama.cpp", draft_vocab=1024), "--draft-vocab restricts a torch draft's head"),

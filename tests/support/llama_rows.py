@@ -1,4 +1,4 @@
-"""Rows on the llama.cpp backend for tests/test_llama.py and tests/support/padded.py: a prompt, a tree below it and
+"""Rows on the llama.cpp backend for tests/test_llama.py: a prompt, a tree below it and
 its paths, a prompt filled and kept, a sequence decoded a token a call."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`speculor profile`: t(n) for n = 1..16 of each backend (--backend auto: every candidate, llama.cpp alone with
---calls padded or batched), the ceiling a free drafter could give with the measured acceptance, and the Sequoia tree
+--calls vector or batched), the ceiling a free drafter could give with the measured acceptance, and the Sequoia tree
 the curve picks."""
 
 from __future__ import annotations

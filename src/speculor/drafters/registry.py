@@ -20,6 +20,7 @@ from speculor.drafters.dyspec import make_dyspec
 from speculor.drafters.eagle import make_eagle
 from speculor.drafters.gsd import make_gsd
 from speculor.drafters.ngram import make_ngram
+from speculor.drafters.ngram_mod import make_ngram_mod
 from speculor.drafters.sequoia import make_sequoia
 from speculor.drafters.specdecpp import make_specdecpp
 from speculor.drafters.specinfer import make_specinfer
@@ -38,7 +39,8 @@ def _chain(pair: Pair, k: int = 4) -> Shared:
     return Shared(partial(ChainDrafter, pair.draft, k))
 
 
-TEXT_LEVEL = ("default", "plain", "chain", "ngram", "suffix")  # what a draft with another tokenizer can serve
+# what a draft with another tokenizer can serve
+TEXT_LEVEL = ("default", "plain", "chain", "ngram", "ngram-mod", "suffix")
 FALLBACKS = ("dyspec", "eagle")  # suffix's fallbacks: trees sized by the cost curve, that decline where they do not pay
 
 
@@ -73,6 +75,7 @@ BUILDERS: dict[str, Callable[..., Strategy | None]] = {
     "sequoia": make_sequoia,  # options: budget (int or "auto"), depth, width, acc (see sequoia.SequoiaOptions)
     "specinfer": make_specinfer,  # options: expansion ("1-1-3-1-1-1-1-1"), drafters ("draft+draft@1.5+ngram")
     "ngram": make_ngram,  # options: k (tokens per continuation), n (longest n-gram), branches
+    "ngram-mod": make_ngram_mod,  # llama.cpp's ngram-mod; options: n, n_max, n_min, size (drafters/ngram_mod.py)
     "specdecpp": make_specdecpp,  # options: threshold, k_min, k_max, head (see specdecpp.SpecDecPPOptions)
     "dyspec": make_dyspec,  # options: variant, budget (int or "auto"), threshold, depth, temperature, batch
     "topk-tree": make_topk_tree,  # options: budget, depth, k (see topk_tree.TopkOptions)

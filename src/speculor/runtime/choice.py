@@ -69,7 +69,7 @@ def torch_only(target: str, draft: str | None, device: str) -> str:
 
 
 def candidates(target: str, draft: str | None, device: str, calls: str = "exact") -> list[str]:
-    """The backends that can run the pair; with --calls padded or batched (a llama.cpp setting) llama.cpp alone."""
+    """The backends that can run the pair; with --calls vector or batched (a llama.cpp setting) llama.cpp alone."""
     why = torch_only(target, draft, device)
     if calls != "exact":
         if why:
@@ -126,7 +126,7 @@ def measure(target: str, draft: str, *, device: str, threads: int) -> dict:
 
 def choose_backend(spec: PairSpec) -> str:
     """The backend "auto" stands for in `spec` (`choose`), once the device is checked (a device that cannot run is
-    refused before anything is measured); with --calls padded or batched, llama.cpp unmeasured."""
+    refused before anything is measured); with --calls vector or batched, llama.cpp unmeasured."""
     check_device(spec.device, spec.offload)
     if spec.calls != "exact":  # a llama.cpp setting: nothing to choose
         if spec.draft_vocab:

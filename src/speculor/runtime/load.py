@@ -150,9 +150,7 @@ def _llama_pair(prepared: Prepared) -> Pair:
     t_lm = LlamaModel(prepared.target.path, threads=threads, calls=plan.calls, **n_ctx)
     d_lm = None
     if prepared.draft is not None:
-        # a draft's bits need no class: its cheapest load-free one
-        d_calls = "exact" if plan.calls == "padded" else plan.calls
-        d_lm = LlamaModel(prepared.draft.path, threads=threads, vocab_size=t_lm.vocab_size, calls=d_calls, **n_ctx)
+        d_lm = LlamaModel(prepared.draft.path, threads=threads, vocab_size=t_lm.vocab_size, calls=plan.calls, **n_ctx)
         if d_lm.vocabulary() != t_lm.vocabulary():
             raise SpeculorError(f"the draft's vocabulary differs from the target's ({d_lm.n_vocab} vs {t_lm.n_vocab} "
                                 "tokens); on llama.cpp the draft needs the target's tokenizer (a draft with another "

@@ -29,7 +29,7 @@ class RaySettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kernels: Literal["fast", "eager"] = "fast"
     threads: int | None = Field(None, ge=1)
-    calls: Literal["exact", "padded", "batched"] = "exact"  # llama.cpp's calls (runtime/llama/model.py CALLS)
+    calls: Literal["exact", "vector", "batched"] = "exact"  # llama.cpp's calls (runtime/llama/model.py CALLS)
     draft_vocab: int | None = None
     offload: bool = False
     context: int | None = Field(None, ge=16)  # a request's context (llama-server's -c; runtime/spec.py)

@@ -10,13 +10,13 @@ one-row call (docs/algorithms.md §10.5). Its modules, by role:
 - fill.py: `PromptContext`, the side context that fills prompts without flash attention.
 - prompts.py: `Prompts`, the prompt memory: kept prompts' cells on the host, lent to a later prompt.
 - state.py: llama.cpp's sequence-state bytes, for the llama-cpp-python versions whose format it knows.
-- padded.py: calls="padded", the other class of bits.
+- bits.py: whether a row's bits depend on its call (calls="exact"'s load check).
 
 The names the rest of speculor and its scripts use are exported here."""
 
 from speculor.runtime.llama.cache import LlamaCache
-from speculor.runtime.llama.calls import TILED, pack, parts
-from speculor.runtime.llama.cells import GRAVEYARD, MAX_SEQ, PADDING, SLACK, Cells, due
+from speculor.runtime.llama.calls import QUAD, TILED, pack, parts
+from speculor.runtime.llama.cells import GRAVEYARD, MAX_SEQ, SLACK, Cells, due
 from speculor.runtime.llama.model import (
     CALLS,
     EXACT_ROWS,
@@ -29,11 +29,10 @@ from speculor.runtime.llama.model import (
     available,
     quiet_llama,
 )
-from speculor.runtime.llama.padded import PAD, pad
 from speculor.runtime.llama.prompts import MAX_PROMPTS, PROMPT_CELLS, Prompts, lendable
 from speculor.runtime.llama.state import KNOWN, MAGIC, State, parse, write
 
 __all__ = ["CALLS", "EXACT_ROWS", "GRAVEYARD", "KNOWN", "KV_TYPES", "MAGIC", "MAX_PROMPTS", "MAX_SEQ", "N_BATCH",
-           "N_CTX", "N_UBATCH", "PAD", "PADDING", "PROMPT_CELLS", "SLACK", "TILED", "Cells", "LlamaCache",
-           "LlamaModel", "Prompts", "State", "_lib", "available", "due", "lendable", "pack", "pad", "parse", "parts",
+           "N_CTX", "N_UBATCH", "PROMPT_CELLS", "QUAD", "SLACK", "TILED", "Cells", "LlamaCache",
+           "LlamaModel", "Prompts", "State", "_lib", "available", "due", "lendable", "pack", "parse", "parts",
            "quiet_llama", "write"]

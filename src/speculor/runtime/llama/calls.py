@@ -12,9 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from speculor.runtime.llama import padded
-
 TILED = 8  # the fewest rows for which ggml takes its tiled matmul (tiled.cpp) over the weights it does not repack
+QUAD = 4  # rows the repacked kernels' gemm multiplies at once (as released: the rest of a call by the gemv)
 
 Row = tuple[int, int, list[int]]  # (token, position, sequence ids)
 Piece = tuple[int, list[Row], list[bool]]  # (block index, its rows in the call, whether each one's output is read)
@@ -61,5 +60,5 @@ def parts(n: int, size: int) -> list[range]:
     every split of this kind, the server's 32-row chunks included, gives a prompt the same cells."""
     cuts = list(range(0, n, size))
     if len(cuts) > 1 and n - cuts[-1] < TILED:
-        cuts[-1] -= math.ceil((TILED - (n - cuts[-1])) / padded.PAD) * padded.PAD
+        cuts[-1] -= math.ceil((TILED - (n - cuts[-1])) / QUAD) * QUAD
     return [range(a, b) for a, b in zip(cuts, cuts[1:] + [n], strict=True)]

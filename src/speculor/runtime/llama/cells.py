@@ -23,7 +23,7 @@ its request's bits (docs/algorithms.md §10.5.2, "Own cells, in order"). So:
 - `used` counts the occupied cells, from cell 0 up without a hole: live requests' and the graveyard's.
 
 Ids are llama.cpp's sequence ids: a request's base id holds its committed cells, one more id per extra path of its
-pending tree (runtime/llama/cache.py); PADDING holds calls="padded"'s pad rows until they go to the graveyard."""
+pending tree (runtime/llama/cache.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 MAX_SEQ = 64  # sequence ids of the shared context: a request's base id and one per extra path of its trees
 GRAVEYARD = MAX_SEQ - 1  # holds the cells requests forget, so that no later row fills a hole (module docstring)
-PADDING = MAX_SEQ - 2  # the pad rows' id (calls="padded", positions 0..2, alone); their cells go to the graveyard
 SLACK = 1024  # forgotten cells a memory may hold before they alone make a compaction due (module docstring)
 
 
@@ -96,7 +95,7 @@ class Cells:
     def __init__(self, memory: Memory, size: int, reserve: int) -> None:
         self.memory = memory
         self.size, self.capacity = size, size - reserve
-        self.free_ids = list(range(PADDING - 1, -1, -1))  # handed out from the end: 0 first
+        self.free_ids = list(range(GRAVEYARD - 1, -1, -1))  # handed out from the end: 0 first
         self.used = 0  # cells occupied, from cell 0 up without a hole
         self.caches: weakref.WeakSet[Holder] = weakref.WeakSet()  # the live ones
         self.live = 0  # caches not yet released: the graveyard is emptied when none is left
@@ -206,12 +205,8 @@ class Cells:
             self.used += rows
         return rc
 
-    def forget_padding(self) -> None:
-        """The pad rows' cells to the graveyard: no hole below a live cell."""
-        self.forget(PADDING, -1)
-
     def clear(self) -> None:
-        """Every cell freed (only while no cache lives: calls='padded''s check at load)."""
+        """Every cell freed (only while no cache lives: the load check of calls="exact")."""
         assert not self.caches, "the memory is cleared only while no cache lives"
         self.memory.clear()
         self.used = 0

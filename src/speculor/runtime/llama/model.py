@@ -4,23 +4,19 @@ context and `forward`; a request's cache is a set of sequence ids in the context
 (runtime/llama/cache.py), whose cells have one owner (runtime/llama/cells.py).
 
 Same bits as plain decoding, in two parts:
-- the rows: ggml's CPU kernels give a row different bits in calls of different sizes (the repacked Q4_K kernels
-  multiply 4 rows at a time, 1 to 3 rows by a vector kernel; attention differs unless flash attention is on, and
-  when keys and values have one type, F16 (F32 is cast to F16 first), ggml's flash attention splits a one-row
-  call over 512 cells or more across threads and tiles a call of 64 rows or more, a call of 2 rows neither). A row
-  computed in a call of at most EXACT_ROWS rows, flash attention on over Q8_0 keys and F16 values (two types:
-  every call takes the row-by-row path), gets the bits of a one-row call at any context length
-  (tests/test_llama.py, with the negative control), so tree and chain blocks (decoding, verification, drafting)
-  run in calls of at most EXACT_ROWS rows, packed with other requests' blocks (runtime/llama/calls.py); a prompt (a
-  chain of more rows) gets calls of its own, the same whatever shares the batch, in a second context without flash
-  attention that holds its request's cells alone (runtime/llama/fill.py), its cells then copied into the memory.
-  calls="padded" takes the other class: every call padded to a multiple of 4 rows, its output rows too
-  (runtime/llama/padded.py), and ggml's tiled matmul off (it takes 8 rows or more of the unpacked K-quant
-  weights), every row is computed by the 4-row kernels, in calls of any size up to N_UBATCH (one ubatch: the output
-  rows of each are padded), packed with anything, prompts included (checked at load; tests/test_llama_padded.py
-  with negative controls). A lone step then costs a 4-row call, but rows 2-4 are free and a call of 16 rows costs
-  far less than 16 one-row calls: the class for load and for long drafts (its costs: docs/bench/cpu-padded). Its
-  bits are not the one-row class's.
+- the rows: ggml's CPU kernels as released give a row different bits in calls of different sizes (the repacked Q4_K
+  kernels multiply 4 rows at a time by a gemm and the rest of a call by a vector kernel that sums in another order;
+  ggml's tiled matmul takes 8 rows or more of the K-quant weights it does not repack; attention differs unless flash
+  attention is on, and when keys and values have one type, F16 (F32 is cast to F16 first), ggml's flash attention
+  splits a one-row call over 512 cells or more across threads and tiles a call of 64 rows or more). calls="exact":
+  llama.cpp built with patches/llama.cpp (the vector kernel sums in the gemm's order), the tiled matmul off, flash
+  attention on over Q8_0 keys and F16 values (two types: every call takes the row-by-row path): a row gets the bits
+  of a one-row call in a call of any size (runtime/llama/bits.py, checked at load: where it fails, as on ggml as
+  released, calls="vector"). So tree and chain blocks (decoding, verification, drafting) of every request are
+  packed into calls of up to N_BATCH rows (runtime/llama/calls.py). calls="vector" gets the same bits on ggml as
+  released from calls of at most EXACT_ROWS rows (the vector kernels). Either way a prompt (a chain of more rows)
+  gets calls of its own, the same whatever shares the batch, in a second context without flash attention that
+  holds its request's cells alone (runtime/llama/fill.py), its cells then copied into the memory.
 - the order: attention sums over a request's cells in cell order, which the cells owner keeps
   (runtime/llama/cells.py: the graveyard, compaction).
 
@@ -31,6 +27,7 @@ would compute. docs/algorithms.md §10.5.1-10.5.3 state the argument and its mea
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -45,25 +42,30 @@ from speculor.errors import SpeculorError
 from speculor.runtime.backend import Block, Rows, Traits, fit_vocab
 from speculor.runtime.call_times import CallTimes
 from speculor.runtime.gguf_rows import GGUFRows
-from speculor.runtime.llama import fill, padded
+from speculor.runtime.llama import bits, fill
 from speculor.runtime.llama.cache import LlamaCache
 from speculor.runtime.llama.calls import TILED, BlockRows, Piece, pack
-from speculor.runtime.llama.cells import MAX_SEQ, PADDING, Cells
+from speculor.runtime.llama.cells import MAX_SEQ, Cells
 from speculor.runtime.llama.memory import LlamaMemory
 from speculor.runtime.llama.prompts import Prompts
 
-EXACT_ROWS = 3  # the most rows a call may hold for each row to get the bits of a one-row call (module docstring)
+EXACT_ROWS = 3  # calls="vector": the most rows a call may hold for each row to get the bits of a one-row call on
+# ggml's kernels as released (module docstring)
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: N_UBATCH x vocabulary)
-CALLS = {"exact": (EXACT_ROWS, N_BATCH), "padded": (N_UBATCH, N_UBATCH), "batched": (N_BATCH, N_BATCH)}
-# (most rows of a call of packed blocks, rows of a prompt's own calls). exact: the module docstring's bits; padded:
-# every row in the 4-row kernels' blocks, one ubatch a call (the other class of bits, module docstring); batched:
-# llama.cpp's own sizes: a row's bits then depend on its call, so an answer can depend on what shares its batch and
-# speculation on plain decoding's low bits
+CALLS = {"exact": (N_BATCH, N_BATCH), "vector": (EXACT_ROWS, N_BATCH), "batched": (N_BATCH, N_BATCH)}
+# (most rows of a call of packed blocks, rows of a prompt's own calls). exact: every row the bits of a one-row call
+# in calls of any size (patches/llama.cpp, checked at load; else "vector"); vector: the same bits from calls of at
+# most 3 rows, on ggml as released; batched: llama.cpp's own sizes on ggml as released: a row's bits then depend on
+# its call, so an answer can depend on what shares its batch and speculation on plain decoding's low bits
+TIMED_ROWS = 16  # calls="exact": calls of 1..TIMED_ROWS rows timed as the process makes them (runtime/cost.py)
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
 # nor tiles a call (module docstring); Q8_0 values were as exact, and slower (docs/bench/cpu-never-slower)
 N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
 RESERVE = N_BATCH  # cells kept free above a compaction, for the rest of a step (a draft's rounds)
+
+
+logger = logging.getLogger("speculor")
 
 
 def _silence(level, text, user_data):  # llama.cpp's log: printed by default, every load and every context
@@ -107,7 +109,7 @@ class LlamaModel:
                  calls: str = "exact") -> None:
         if calls not in CALLS:
             raise SpeculorError(f"calls must be one of {', '.join(CALLS)}, got {calls!r}")
-        if calls == "padded":  # read once per process by ggml, at its first matmul (module docstring)
+        if calls == "exact":  # read once per process by ggml, at its first matmul (module docstring)
             os.environ["GGML_CPU_TILED_MM"] = "0"
         lib = _lib()
         self.lib, self.path, self.threads, self.calls = lib, Path(path), threads, calls
@@ -128,7 +130,7 @@ class LlamaModel:
         self.hidden_size = lib.llama_model_n_embd(self.model)
         self.embeddings = False  # llama.cpp's embeddings output (`_embeddings`)
         self.kernel_s = 0.0  # seconds spent inside llama_decode so far (the rest of a step is host time)
-        self.call_times = CallTimes(EXACT_ROWS) if calls == "exact" else None  # a tree's calls (runtime/cost.py)
+        self.call_times = None  # a tree's calls by rows, where they are few (runtime/cost.py): below
         self.device, self.weights = torch.device("cpu"), "gguf"  # what the cost profile's key reads
         # t(n) grows with n; a prompt's last call has TILED rows at least (`parts`); its last row keeps its bits in
         # any calls on the grid (`lendable`); live requests' contexts hold the memory's cells but RESERVE together
@@ -137,8 +139,13 @@ class LlamaModel:
         self.batch = lib.llama_batch_init(N_BATCH, 0, MAX_SEQ)
         self.prompt_contexts: list[fill.PromptContext] = []  # the prompts' context, made at the first prompt
         weakref.finalize(self, _free, lib, self.model, self.ctx, self.batch, self.prompt_contexts)
-        if calls == "padded":
-            padded.check(self)
+        if calls == "exact" and (sizes := bits.check(self)):
+            logger.warning("speculor: llama.cpp's rows differ in calls of %s rows from one-row calls on %s (ggml "
+                           "without patches/llama.cpp, or its tiled matmul already on in this process): calls of "
+                           "at most %d rows instead, slower for long drafts", sizes, self.path.name, EXACT_ROWS)
+            self.calls = "vector"
+        if self.calls in ("exact", "vector"):
+            self.call_times = CallTimes(TIMED_ROWS if self.calls == "exact" else EXACT_ROWS)
 
     def _context(self, n_ctx: int):
         """The shared context: one unified memory, flash attention on, KV_TYPES (module docstring)."""
@@ -180,7 +187,7 @@ class LlamaModel:
         buf = ctypes.create_string_buffer(256)
         self.lib.llama_model_desc(self.model, buf, 256)
         kv = "/".join(KV_TYPES).lower()
-        rows = f"padded{padded.PAD}" if self.calls == "padded" else f"{self.calls}{CALLS[self.calls][0]}"
+        rows = f"{self.calls}{CALLS[self.calls][0]}"
         return f"llama.cpp {self.lib.__version__} {buf.value.decode()} x{self.threads} {rows} kv {kv}"
 
     def vocabulary(self) -> list[bytes]:
@@ -190,10 +197,9 @@ class LlamaModel:
 
     def forward(self, blocks: Sequence[Block], *, apart: bool = False) -> list[Rows]:
         """Per block its `Rows`: logits [n, V] (fp32, host), or [1, V] with `last`; with `hidden` the hidden states
-        of the same rows. Tree blocks' rows packed in order into calls of EXACT_ROWS rows (a block across two where it
-        fills one), a prompt in calls of its own (module docstring; runtime/llama/calls.py): `apart` (rows computed
-        apart from the others of their call) holds always. calls="padded": calls of up to N_UBATCH rows, each padded
-        (`padded.pad`); "batched": of up to N_BATCH rows, as llama.cpp batches."""
+        of the same rows. Tree blocks' rows packed in order into calls of CALLS[calls][0] rows at most (a block across
+        two where it fills one), a prompt in calls of its own (module docstring; runtime/llama/calls.py): `apart`
+        (rows computed apart from the others of their call) holds always."""
         self.cell_state.prepare(blocks)
         limit, chunk = CALLS[self.calls]
         planned = []
@@ -218,7 +224,7 @@ class LlamaModel:
     def _fills(self, b: Block, rows: list) -> bool:
         """Whether a prompt block is filled in the prompts' context: in the exact class, a chain on the base id
         ending within its cells (made here the first time)."""
-        cells = min(fill.CELLS, self.size) if self.calls == "exact" else 0
+        cells = min(fill.CELLS, self.size) if self.calls in ("exact", "vector") else 0
         if rows[-1][1] >= cells or any(ids != [b.cache.base] for _, _, ids in rows):
             return False
         if not self.prompt_contexts:  # a call in one ubatch, as llama.cpp
@@ -237,7 +243,7 @@ class LlamaModel:
     def decode(self, call: list[Piece], out: list[list[np.ndarray]], hidden: list[list[np.ndarray]]) -> None:
         """One llama_decode over the call's rows (`calls.pack`); the wanted rows' logits appended to out[block] (and
         their hidden states to hidden[block] while the embeddings output is on)."""
-        n, pads = self._batch(call)
+        n = self._batch(call)
         t0 = time.perf_counter()
         rc = self.cell_state.call(n, lambda: self.lib.llama_decode(self.ctx, self.batch))
         self.kernel_s += (dt := time.perf_counter() - t0)
@@ -246,8 +252,6 @@ class LlamaModel:
         if rc != 0:
             raise SpeculorError(f"llama_decode failed (code {rc}: "
                                 f"{'no room in the KV memory' if rc == 1 else 'error'}; context {self.context_length})")
-        if pads:
-            self.cell_state.forget_padding()
         k = 0
         for i, _, want in call:
             for w in want:
@@ -259,29 +263,20 @@ class LlamaModel:
                                                                shape=(self.hidden_size,)).copy())
                 k += 1
 
-    def _batch(self, call: list[Piece]) -> tuple[int, int]:
-        """The call's rows written into the batch, calls="padded"'s pad rows after them (`padded.pad`); (rows in
-        all, pad rows)."""
+    def _batch(self, call: list[Piece]) -> int:
+        """The call's rows written into the batch; their number."""
         b, k = self.batch, 0
-        n = sum(len(rows) for _, rows, _ in call)
-        flips, pads = padded.pad(n, sum(sum(w) for _, _, w in call)) if self.calls == "padded" else (0, 0)
         for _, rows, want in call:
             for (tok, pos, ids), w in zip(rows, want, strict=True):
-                if not w and flips:  # an output computed and not read: the call's outputs a multiple of 4
-                    w, flips = True, flips - 1
                 b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, len(ids), w
                 for m, s in enumerate(ids):
                     b.seq_id[k][m] = s
                 k += 1
-        for p in range(pads):  # rows of their own (positions 0.., id PADDING), with outputs
-            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = 0, p, 1, True
-            b.seq_id[k][0] = PADDING
-            k += 1
         b.n_tokens = k
-        return k, pads
+        return k
 
     def reset(self) -> None:
-        """The memory cleared and the time counted so far forgotten (calls="padded"'s check at load)."""
+        """The memory cleared and the time counted so far forgotten (calls="exact"'s check at load)."""
         self.cell_state.clear()
         self.kernel_s = 0.0
 

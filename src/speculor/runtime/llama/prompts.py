@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from speculor.runtime.backend import Rows
-from speculor.runtime.llama import calls, padded, state
+from speculor.runtime.llama import calls, state
 
 if TYPE_CHECKING:
     from speculor.runtime.llama.cache import LlamaCache
@@ -34,8 +34,8 @@ def lendable(same: int, kept: int, wanted: int, chunk: int) -> int:
     of TILED rows or more (the calls that would have computed it: its last row's logits included)."""
     g = same // chunk * chunk
     if min(kept, wanted) >= g + chunk:
-        g += min(same - g, chunk - calls.TILED) // padded.PAD * padded.PAD
-    return max(min(g, (wanted - calls.TILED) // padded.PAD * padded.PAD), 0)
+        g += min(same - g, chunk - calls.TILED) // calls.QUAD * calls.QUAD
+    return max(min(g, (wanted - calls.TILED) // calls.QUAD * calls.QUAD), 0)
 
 
 class Prompts:
