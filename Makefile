@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 AMX_OFF := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE := -DCMAKE_C_FLAGS='$(AMX_OFF)' -DCMAKE_CXX_FLAGS='$(AMX_OFF)'
 # llama-cpp-python is compiled from its sdist with patches/llama.cpp/*.patch applied (scripts/llama/build.sh): a
-# row's bits then do not depend on its call (docs/algorithms.md §10.5.4); the backend checks that at load
+# row's bits then do not depend on its call (docs/algorithms.md §10.5.3); the backend checks that at load
 LLAMA_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 LLAMA_PATCHES := $(wildcard patches/llama.cpp/*.patch)
 CACHE := $(or $(SPECULOR_CACHE),$(HOME)/.cache/speculor)

@@ -1,5 +1,5 @@
 """calls="exact" on llama.cpp built with patches/llama.cpp: a row computed in a call of any size has the bits of the
-same row in a call of its own (runtime/llama/bits.py; docs/algorithms.md §10.5.4), on both embedded GGUFs, after a
+same row in a call of its own (runtime/llama/bits.py; docs/algorithms.md §10.5.3), on both embedded GGUFs, after a
 short and a long context. The negative control loads ggml's CPU backend as released (the Makefile builds it beside
 the cache: STOCK_GGML) in place of the patched one: its rows differ from 4 rows on, and the load check falls back to
 calls="vector". Each side runs in a fresh interpreter (tests/support/bits.py)."""

@@ -20,8 +20,9 @@ logger = logging.getLogger("speculor")
 
 
 STALE = 0.15  # how far t(k)/t(1) timed now may be off the cached profile's (relative) before it is measured again
-SIZES = (*range(1, 17), 24, 32, 48, 64, 96, 128)  # block sizes timed (every one to 16: llama.cpp's curve is a
-# sawtooth, t(n) = t(3) per 3 rows + the rest, runtime/llama/model.py); others interpolated
+SIZES = (*range(1, 17), 24, 32, 48, 64, 96, 128)  # block sizes timed (every one to 16: llama.cpp's curve steps with
+# the 4-row blocks of its repacked kernels, and with calls="vector" t(n) = t(3) per 3 rows + the rest); others
+# interpolated
 
 
 def _sync(model: Model) -> None:
@@ -34,7 +35,7 @@ def time_forwards(model: Model, sizes: Sequence[int], *, prefix: int = 200, repe
     """Median seconds of one `model.forward` over a block of n tokens after `prefix` committed tokens, per n.
 
     A block is a chain given as a tree (its parents), so it runs in the calls a draft tree of n rows runs in
-    (llama.cpp: EXACT_ROWS rows a call, runtime/llama/model.py), not in a prompt's. Every size is run once untimed
+    (llama.cpp: its call class's calls, runtime/llama/model.py), not in a prompt's. Every size is run once untimed
     first; the repeats then run in rounds over all sizes (not back to back), so a burst of load from another
     process spreads over sizes instead of inflating one. Uses a cache of its own;
     `tick()` after every forward.

@@ -1,5 +1,5 @@
 """Whether a row's bits depend on the call it is computed in: `differences` measures it, `check` is the load-time
-test of calls="exact" (runtime/llama/model.py; docs/algorithms.md §10.5.4).
+test of calls="exact" (runtime/llama/model.py; docs/algorithms.md §10.5.3).
 
 A row here is one token of a chain after `context` tokens of its own; its logits computed in a call of n rows (it
 and the chain's next n - 1 tokens) are compared with the same row computed in a call of its own, every row of the

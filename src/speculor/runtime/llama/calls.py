@@ -12,7 +12,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-TILED = 8  # the fewest rows for which ggml takes its tiled matmul (tiled.cpp) over the weights it does not repack
+TILED = 32  # the fewest rows for which ggml takes its tiled matmul (tiled.cpp) over the weights it does not repack:
+# patches/llama.cpp's GGML_CPU_TILED_MM_MIN_ROWS, which calls="exact" sets (8 on ggml as released: a rule for 32
+# holds there too, every call it allows having 32 rows or more, or all of a prompt's)
 QUAD = 4  # rows the repacked kernels' gemm multiplies at once (as released: the rest of a call by the gemv)
 
 Row = tuple[int, int, list[int]]  # (token, position, sequence ids)

@@ -9,11 +9,11 @@ Same bits as plain decoding, in two parts:
   ggml's tiled matmul takes 8 rows or more of the K-quant weights it does not repack; attention differs unless flash
   attention is on, and when keys and values have one type, F16 (F32 is cast to F16 first), ggml's flash attention
   splits a one-row call over 512 cells or more across threads and tiles a call of 64 rows or more). calls="exact":
-  llama.cpp built with patches/llama.cpp (the vector kernel sums in the gemm's order), the tiled matmul off, flash
-  attention on over Q8_0 keys and F16 values (two types: every call takes the row-by-row path): a row gets the bits
-  of a one-row call in a call of any size (runtime/llama/bits.py, checked at load: where it fails, as on ggml as
-  released, calls="vector"). So tree and chain blocks (decoding, verification, drafting) of every request are
-  packed into calls of up to N_BATCH rows (runtime/llama/calls.py). calls="vector" gets the same bits on ggml as
+  llama.cpp built with patches/llama.cpp (the vector kernel sums in the gemm's order; the tiled matmul from TILED
+  rows on), flash attention on over Q8_0 keys and F16 values (two types: every call takes the row-by-row path): a row
+  gets the bits of a one-row call in any call of fewer than TILED rows (runtime/llama/bits.py, checked at load: where
+  it fails, as on ggml as released, calls="vector"). So tree and chain blocks (decoding, verification, drafting) of
+  every request are packed into calls of up to TILED - 1 rows (runtime/llama/calls.py). calls="vector" gets the same bits on ggml as
   released from calls of at most EXACT_ROWS rows (the vector kernels). Either way a prompt (a chain of more rows)
   gets calls of its own, the same whatever shares the batch, in a second context without flash attention that
   holds its request's cells alone (runtime/llama/fill.py), its cells then copied into the memory.
@@ -53,7 +53,7 @@ EXACT_ROWS = 3  # calls="vector": the most rows a call may hold for each row to 
 # ggml's kernels as released (module docstring)
 N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: several calls)
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: N_UBATCH x vocabulary)
-CALLS = {"exact": (N_BATCH, N_BATCH), "vector": (EXACT_ROWS, N_BATCH), "batched": (N_BATCH, N_BATCH)}
+CALLS = {"exact": (TILED - 1, N_BATCH), "vector": (EXACT_ROWS, N_BATCH), "batched": (N_BATCH, N_BATCH)}
 # (most rows of a call of packed blocks, rows of a prompt's own calls). exact: every row the bits of a one-row call
 # in calls of any size (patches/llama.cpp, checked at load; else "vector"); vector: the same bits from calls of at
 # most 3 rows, on ggml as released; batched: llama.cpp's own sizes on ggml as released: a row's bits then depend on
@@ -110,7 +110,7 @@ class LlamaModel:
         if calls not in CALLS:
             raise SpeculorError(f"calls must be one of {', '.join(CALLS)}, got {calls!r}")
         if calls == "exact":  # read once per process by ggml, at its first matmul (module docstring)
-            os.environ["GGML_CPU_TILED_MM"] = "0"
+            os.environ["GGML_CPU_TILED_MM_MIN_ROWS"] = str(TILED)
         lib = _lib()
         self.lib, self.path, self.threads, self.calls = lib, Path(path), threads, calls
         self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
