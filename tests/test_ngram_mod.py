@@ -9,7 +9,7 @@ from support.toy import plain_greedy, random_toy
 from speculor import engine
 from speculor.config import SamplingConfig
 from speculor.core.verify import Verdict
-from speculor.drafters.ngram_mod import EMPTY, K, STREAK, Table, make_ngram_mod
+from speculor.drafters.ngram_mod import EMPTY, STREAK, K, Table, make_ngram_mod
 from speculor.drafters.registry import make_strategy
 from speculor.errors import SpeculorError
 from speculor.runtime.backend import Pair

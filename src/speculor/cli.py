@@ -27,9 +27,9 @@ from speculor.commands import (
 )
 from speculor.errors import SpeculorError
 
-SETS_HELP = ("prompt sets, comma-separated: mtbench, humaneval, sharegpt, code-edit, summarize, repeat-edit, or a "
-             "JSONL file of your own prompts (MT-Bench's and Spec-Bench's question.jsonl, or one {\"prompt\": ...} a "
-             "line)")
+SETS_HELP = ("prompt sets, comma-separated: mtbench, humaneval, sharegpt, code-edit, summarize, repeat-edit, "
+             "file-edit, or a JSONL file of your own prompts (MT-Bench's and Spec-Bench's question.jsonl, or one "
+             "{\"prompt\": ...} a line)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto", llama: bool = False) -> None:

@@ -2,7 +2,8 @@
 sample of ShareGPT first human turns (chat), and three copy-heavy sets made from them (chat): `code-edit` (a
 HumanEval solution to return with one edit), `summarize` (a long ShareGPT turn to summarize with quotes) and
 `repeat-edit` (repeated work: one HumanEval solution edited in each of the EDITS ways, the requests of a function
-in a row, where what earlier answers wrote helps the later ones).
+in a row, where what earlier answers wrote helps the later ones), and `file-edit` (a module of several HumanEval
+solutions to return whole with one function renamed: an agent writing back a file it read).
 
 A set may also be a JSONL file of the user's own prompts (`file_set`): one object a line, MT-Bench's and
 Spec-Bench's question format (`{"question_id", "category", "turns": [first turn, ...]}`, chat) or `{"prompt": text}`
@@ -114,6 +115,23 @@ def _repeat_edit() -> list[Prompt]:
             for r in _humaneval_rows() for j, edit in enumerate(EDITS)]
 
 
+def _file_edit() -> list[Prompt]:
+    """An agent writing back a file it has read: FILE_FUNCTIONS consecutive HumanEval solutions as one module (about
+    1,000-1,500 tokens), to return whole with its last function renamed (the answer copies a long context)."""
+    rows, out = _humaneval_rows(), []
+    for i in range(0, len(rows) - FILE_FUNCTIONS + 1, FILE_FUNCTIONS):
+        group = rows[i:i + FILE_FUNCTIONS]
+        module = "\n\n".join(r["prompt"] + r["canonical_solution"] for r in group)
+        name = group[-1]["entry_point"]
+        out.append(Prompt(f"file-edit/{i // FILE_FUNCTIONS}", "file-edit", "edit",
+                          f"Rename the function `{name}` to `{name}_v2` and return the whole file, otherwise "
+                          f"unchanged.\n\n```python\n{module}```", True))
+    return out
+
+
+FILE_FUNCTIONS = 5  # functions of a file-edit prompt
+
+
 def _summarize() -> list[Prompt]:
     """Summarization: a ShareGPT first turn of 800-2000 characters, to summarize quoting its key sentences."""
     out = [Prompt(f"summarize/{p.id.removeprefix('sharegpt/')}", "summarize", "summarize",
@@ -156,7 +174,7 @@ def file_set(path: Path) -> list[Prompt]:
 
 
 LOADERS = {"mtbench": _mtbench, "humaneval": _humaneval, "sharegpt": _sharegpt, "code-edit": _code_edit,
-           "summarize": _summarize, "repeat-edit": _repeat_edit}
+           "summarize": _summarize, "repeat-edit": _repeat_edit, "file-edit": _file_edit}
 
 
 def _round_robin(groups: list[list[Prompt]]) -> list[Prompt]:

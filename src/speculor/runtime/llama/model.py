@@ -13,10 +13,10 @@ Same bits as plain decoding, in two parts:
   rows on), flash attention on over Q8_0 keys and F16 values (two types: every call takes the row-by-row path): a row
   gets the bits of a one-row call in any call of fewer than TILED rows (runtime/llama/bits.py, checked at load: where
   it fails, as on ggml as released, calls="vector"). So tree and chain blocks (decoding, verification, drafting) of
-  every request are packed into calls of up to TILED - 1 rows (runtime/llama/calls.py). calls="vector" gets the same bits on ggml as
-  released from calls of at most EXACT_ROWS rows (the vector kernels). Either way a prompt (a chain of more rows)
-  gets calls of its own, the same whatever shares the batch, in a second context without flash attention that
-  holds its request's cells alone (runtime/llama/fill.py), its cells then copied into the memory.
+  every request are packed into calls of up to TILED - 1 rows (runtime/llama/calls.py). calls="vector" gets the
+  same bits on ggml as released from calls of at most EXACT_ROWS rows (the vector kernels). Either way a prompt (a
+  chain of more rows) gets calls of its own, the same whatever shares the batch, in a second context without flash
+  attention that holds its request's cells alone (runtime/llama/fill.py), its cells then copied into the memory.
 - the order: attention sums over a request's cells in cell order, which the cells owner keeps
   (runtime/llama/cells.py: the graveyard, compaction).
 
