@@ -17,11 +17,19 @@ import torch
 from speculor.runtime.backend import Block, Rows
 from speculor.runtime.llama import calls, cells, state
 from speculor.runtime.llama.cache import LlamaCache
-from speculor.runtime.llama.calls import QUAD, TILED, BlockRows, pack, parts
+from speculor.runtime.llama.calls import QUAD, BlockRows, pack, parts
 from speculor.runtime.llama.cells import GRAVEYARD, SLACK, Cells, due
 from speculor.runtime.llama.prompts import Prompts
 
 LIMIT, CHUNK = 3, 16  # a tree's calls (EXACT_ROWS) and a prompt's, small enough for short prompts to take several
+SMALL_TILED = 8  # the tiled matmul's threshold here (ggml's as released): prompts of a few chunks in a 64-cell memory
+
+
+@pytest.fixture(autouse=True)
+def small_tiled(monkeypatch):
+    """The rules are the same for any threshold of at most half a prompt chunk (calls.TILED is 32 under
+    calls="exact"); this file's small memory and chunks take ggml's own 8."""
+    monkeypatch.setattr(calls, "TILED", SMALL_TILED)
 
 
 @dataclass
@@ -210,7 +218,7 @@ def check_packing(blocks: list[BlockRows], parents: dict[int, list[int]], packed
 def check_prompt_calls(sizes: list[int], chunk: int) -> None:
     starts = np.cumsum([0] + sizes[:-1])
     assert all(0 < n <= chunk for n in sizes) and all(s % QUAD == 0 for s in starts), f"a prompt's calls {sizes}"
-    assert len(sizes) == 1 or sizes[-1] >= TILED, f"a prompt's last call under TILED rows: {sizes}"
+    assert len(sizes) == 1 or sizes[-1] >= calls.TILED, f"a prompt's last call under TILED rows: {sizes}"
 
 
 # a workload
@@ -458,3 +466,14 @@ def test_a_trim_below_the_cells_copied_out_is_remembered():
     assert owner.forgotten_from(r.cache.base) == 9
     owner.mark_copied(r.cache.base)
     assert owner.forgotten_from(r.cache.base) == math.inf
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 513, 540, 543, 544, 1100])
+def test_parts_keep_the_last_call_at_32_rows_under_calls_exact(monkeypatch, n):
+    """The same rule with calls="exact"'s threshold (32): a prompt's calls start at multiples of 4 and its last one has
+    32 rows or more wherever there are several."""
+    monkeypatch.setattr(calls, "TILED", 32)
+    cut = parts(n, 512)
+    assert [i for r in cut for i in r] == list(range(n))
+    check_prompt_calls([len(r) for r in cut], 512)
+    assert all(len(r) >= 32 for r in cut[:-1]) and len(cut) == -(-n // 512)
