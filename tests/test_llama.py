@@ -52,10 +52,13 @@ def test_tree_in_one_forward_equals_each_path_alone(draft):
 
 
 def test_calls_are_timed_by_their_rows(draft):
-    """runtime/call_times.CallTimes: each exact call's seconds under its rows; a prompt's calls (its own context) are
-    not a tree's and are not counted."""
+    """runtime/call_times.CallTimes: each exact call's seconds under its rows; a prompt's calls (of TILED rows or
+    more, in its own context) are not a tree's and are not counted."""
     calls, before = draft.call_times, list(draft.call_times.n)
-    cache = prefilled(draft, PROMPT[:-1])
+    prefilled(draft, (PROMPT * 4)[:40])
+    assert calls.n == before
+    cache = prefilled(draft, PROMPT[:-1])  # a short prompt: a call of 10 rows like a tree's
+    before[len(PROMPT) - 1] += 1
     assert calls.n == before
     forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))  # 6 rows: one call
     alone(draft, PROMPT + [100, 300])  # three one-row calls

@@ -58,7 +58,6 @@ CALLS = {"exact": (TILED - 1, N_BATCH), "vector": (EXACT_ROWS, N_BATCH), "batche
 # in calls of any size (patches/llama.cpp, checked at load; else "vector"); vector: the same bits from calls of at
 # most 3 rows, on ggml as released; batched: llama.cpp's own sizes on ggml as released: a row's bits then depend on
 # its call, so an answer can depend on what shares its batch and speculation on plain decoding's low bits
-TIMED_ROWS = 16  # calls="exact": calls of 1..TIMED_ROWS rows timed as the process makes them (runtime/cost.py)
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
 # nor tiles a call (module docstring); Q8_0 values were as exact, and slower (docs/bench/cpu-never-slower)
 N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
@@ -145,7 +144,7 @@ class LlamaModel:
                            "at most %d rows instead, slower for long drafts", sizes, self.path.name, EXACT_ROWS)
             self.calls = "vector"
         if self.calls in ("exact", "vector"):
-            self.call_times = CallTimes(TIMED_ROWS if self.calls == "exact" else EXACT_ROWS)
+            self.call_times = CallTimes(CALLS[self.calls][0])  # its calls of 1..limit rows (runtime/cost.py)
 
     def _context(self, n_ctx: int):
         """The shared context: one unified memory, flash attention on, KV_TYPES (module docstring)."""
