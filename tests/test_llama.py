@@ -59,11 +59,11 @@ def test_calls_are_timed_by_their_rows(draft):
     assert calls.n == before
     cache = prefilled(draft, PROMPT[:-1])  # a short prompt: a call of 10 rows like a tree's
     before[len(PROMPT) - 1] += 1
-    assert calls.n == before
+    assert calls.n == before, (calls.n, before)
     forward1(draft, cache, [PROMPT[-1]] + TREE, torch.tensor(PARENTS))  # 6 rows: one call
-    alone(draft, PROMPT + [100, 300])  # three one-row calls
+    alone(draft, PROMPT + [100, 300])  # its 10-token prompt, then three one-row calls
     want = list(before)
-    want[1], want[6] = before[1] + 3, before[6] + 1
+    want[1], want[6], want[len(PROMPT) - 1] = before[1] + 3, before[6] + 1, before[len(PROMPT) - 1] + 1
     assert calls.n == want and calls.s[1] > 0 and calls.s[6] > 0
 
 
@@ -366,16 +366,17 @@ def steps_after(ctx, cache, root, n=6):
 
 def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monkeypatch):
     """The prompt memory lends a later prompt the cells of the whole chunks it shares with a kept one, and within
-    the next chunk a multiple of 4 rows that leaves the chunk's rest a call of 8 rows or more (70 shared: 68; 30
-    shared: 24), never its last 8 rows (100 shared of 101: 92, not 96, which would leave a 5-row call) but to the
-    same prompt, which takes all 100 and its last row's logits; the last row's logits and the request's next steps
-    have the bits of a fresh context's.
-    Negative control: 28 of 30 lent, the chunk's last 4 rows are a call of the vector kernels, and the steps differ."""
+    the next chunk a multiple of 4 rows that leaves the chunk's rest a call of TILED (32) rows or more: none of a
+    32-row chunk (70 shared: 64; 30 shared: 0), never its last 32 rows (100 shared of 101: 68) but to the same
+    prompt, which takes all 100 and its last row's logits; the last row's logits and the request's next steps have
+    the bits of a fresh context's.
+    Negative control: with TILED 4, 28 of 30 lent, the chunk's last 4 rows a short call, and the steps differ."""
     first = (PROMPT * 12)[:101]
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
     filled(ctx, first[:-1])
-    cases = ((first, 100), (first + [3000], 92), (first[:70] + list(range(3000, 3031)), 68),
-             (first[:30] + list(range(3000, 3071)), 24), (list(range(500, 600)), 0))
+    partly = first[:30] + list(range(3000, 3071))
+    cases = ((first, 100), (first + [3000], 68), (first[:70] + list(range(3000, 3031)), 64), (partly, 0),
+             (list(range(500, 600)), 0))
     for prompt, lends in cases:
         fresh = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
         cache, lent, last = filled(ctx, prompt[:-1])
@@ -384,7 +385,7 @@ def test_a_prompt_lent_by_the_memory_gives_the_bits_it_would_compute(draft, monk
         want = steps_after(fresh, fresh_cache, prompt[-1])
         assert torch.equal(last, fresh_last)
         assert all(torch.equal(a, b) for a, b in zip(steps_after(ctx, cache, prompt[-1]), want, strict=True))
-        if lends == 24:
+        if prompt is partly:
             uncapped = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
             filled(uncapped, first[:-1])
             monkeypatch.setattr(packing, "TILED", 4)
@@ -406,7 +407,7 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
     """The server's chunks (engine/batch.py: 32 rows on a grid a step, or while none decodes up to fill_rows) and
     the library's prefill (one block, calls of 512) give a prompt the same cells and its last row, the root, the
     same logits, also where its last chunk would be short (100, 103, 132 rows: 4, 7, 4 left) and after a prompt
-    memory lent its start (24 cells, the rest in one call): the root's logits and the request's next steps are
+    memory lent its start (64 cells, the rest in one call): the root's logits and the request's next steps are
     bit-equal. Negative control: a short last chunk (min_chunk 1) differs."""
     prompt, cfg = (PROMPT * 12)[:n], SamplingConfig(max_new_tokens=4)
     ctx = llama.LlamaModel(draft.path, threads=2, n_ctx=2048)
@@ -430,13 +431,13 @@ def test_a_prompt_filled_in_chunks_equals_the_prompt_filled_at_once(draft, monke
         monkeypatch.setattr(ctx, "traits", replace(ctx.traits, fill_rows=rows))
         ctx.prompts.clear()
         assert equal(chunked(prompt), want)
-    other = prompt[:30] + list(range(3000, 3000 + n - 30))  # its first 24 cells lent by the prompt memory
+    other = prompt[:70] + list(range(3000, 3000 + n - 70))  # its first 64 cells lent by the prompt memory
     lent, reuse = [], ctx.reuse
     monkeypatch.setattr(ctx, "reuse", lambda *a: lent.append(reuse(*a)) or lent[-1])
     monkeypatch.setattr(ctx, "traits", replace(ctx.traits, fill_rows=llama.N_BATCH))
     assert equal(chunked(other), first_steps(ctx, engine.start(ctx, None, other, cfg)))
     assert equal(chunked(prompt), want)  # the same prompt again: all its cells and its root's logits lent
-    assert [k for k, _ in lent] == [24, n] and lent[0][1] is None and lent[1][1] is not None
+    assert [k for k, _ in lent] == [64, n] and lent[0][1] is None and lent[1][1] is not None
     monkeypatch.setattr(ctx, "traits", replace(ctx.traits, fill_rows=0))
     monkeypatch.setattr(ctx, "traits", replace(ctx.traits, min_chunk=1))
     ctx.prompts.clear()

@@ -460,7 +460,8 @@ def create_app(pair: Pair, strategy: str | None = None, queue_size: int = 64, ma
 
 
 def warm_up(pair: Pair) -> None:
-    """Two greedy tokens after a 16-token prompt on the target and on a draft model, before the first request, as
+    """Two greedy tokens after a 40-token prompt (a prompt's own calls: TILED rows or more) on the target and on a draft
+    model, before the first request, as
     llama-server warms its model at start: the first request then does not pay the first calls' costs (weights
     paged in from the mapped file, llama.cpp's prompt context made, kernels set up). Nothing a request reads is
     left: the caches are released, and the prompt memory keeps only the prompts the server fills in chunks. The
@@ -468,7 +469,7 @@ def warm_up(pair: Pair) -> None:
     decodes, at full speed only where no other thread's team waits beside its own (runtime/openmp.py)."""
     for model in (pair.target, pair.draft):
         if model is not None:
-            for _ in engine.stream(model, None, list(range(16)), SamplingConfig(max_new_tokens=2)):
+            for _ in engine.stream(model, None, list(range(40)), SamplingConfig(max_new_tokens=2)):
                 pass
     openmp.release()
 
