@@ -9,7 +9,7 @@ from speculor.bench.specs import Spec, parse_strategies
 from speculor.errors import SpeculorError
 
 # every strategy; Sequoia and DySpec size their trees from this machine's cost profile (their hardware-aware mode)
-ALL = ("plain,default,chain:k=4,specinfer,sequoia:budget=auto,ngram,suffix,dyspec:budget=auto,topk-tree,gsd,"
+ALL = ("plain,default,chain:k=4,specinfer,sequoia:budget=auto,ngram,ngram-mod,suffix,dyspec:budget=auto,topk-tree,gsd,"
        "specdecpp,eagle,specinfer:drafters=boosted")
 # the realistic default: >= 8 prompts of the sets' categories, 128 new tokens, 3 rounds
 DEFAULTS = {"strategies": "plain,default,chain:k=4,dyspec:budget=auto", "limit": 8, "max_new_tokens": 128,
