@@ -19,8 +19,8 @@ Args = Any  # the argparse.Namespace of the command
 # The registered strategies and, per strategy option of `generate` and `serve`, the strategies that take it, as
 # `speculor.drafters.registry` says (BUILDERS, options_of; tests/test_cli.py checks that they agree). Spelled out
 # here so that `--help` needs no import of the registry, which imports torch.
-STRATEGIES = ("default", "plain", "chain", "sequoia", "specinfer", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd",
-              "eagle", "suffix")
+STRATEGIES = ("default", "plain", "chain", "sequoia", "specinfer", "ngram", "ngram-mod", "specdecpp", "dyspec",
+              "topk-tree", "gsd", "eagle", "suffix")
 TAKEN_BY = {
     "k": ("chain", "ngram", "topk-tree", "gsd"),
     "budget": ("default", "sequoia", "ngram", "specdecpp", "dyspec", "topk-tree", "gsd", "eagle", "suffix"),
