@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "speculor"
-STRATEGIES = ["chain", "dyspec", "eagle", "gsd", "ngram", "ngram_mod", "sequoia", "specdecpp", "specinfer", "suffix", "topk_tree"]
+STRATEGIES = ["chain", "dyspec", "eagle", "gsd", "ngram", "ngram_mod", "sequoia", "specdecpp", "specinfer", "suffix",
+              "topk_tree"]
 # a module may import from its own layer and the layers below it (config and errors are at the bottom)
 LAYERS = ["core", "runtime", "drafters", "engine", "api", "methods", "serving", "bench"]  # api: the module api.py
 MAX_FUNCTION = 60  # lines of a function or method, decorators and docstring included

@@ -2,7 +2,7 @@
 target in one call class, and the seconds of a 512-token prompt's prefill; one JSON line. Run once per class, each in
 its own process (ggml reads its tiled-matmul switch once per process):
 
-    .venv/bin/python scripts/llama/cost_table.py exact     # the patched kernels, calls of any size
+    .venv/bin/python scripts/llama/cost_table.py exact     # the patched kernels, calls of up to 31 rows
     .venv/bin/python scripts/llama/cost_table.py vector    # calls of at most 3 rows
     LD_PRELOAD=$STOCK/libggml-base.so:$STOCK/libggml-cpu.so .venv/bin/python scripts/llama/cost_table.py batched
                                                            # llama.cpp as released, its own call sizes

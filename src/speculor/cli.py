@@ -52,10 +52,11 @@ def _add_model_args(p: argparse.ArgumentParser, backend: str = "auto", llama: bo
                    help="CPU threads of either backend (default: torch's)")
     p.add_argument("--calls", choices=("exact", "vector", "batched"), default="exact",
                    help="llama.cpp's calls: exact (default; every row gets the bits of a one-row call in calls of "
-                   "any size, so speculative output is plain decoding's and no answer depends on what shares its "
-                   "batch; needs llama.cpp built with patches/llama.cpp, checked at load, else vector), vector (the "
-                   "same guarantees from calls of at most 3 rows, on llama.cpp as released) or batched (llama.cpp's "
-                   "own call sizes: more throughput under load on llama.cpp as released, neither guarantee)")
+                   "up to 31 rows shared with any requests, so speculative output is plain decoding's and no answer "
+                   "depends on what shares its batch; needs llama.cpp built with patches/llama.cpp, checked at load, "
+                   "else vector), vector (the same guarantees from calls of at most 3 rows, on llama.cpp as released) "
+                   "or batched (llama.cpp's own call sizes: more throughput under load on llama.cpp as released, "
+                   "neither guarantee)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="the models' weights and arithmetic (auto: bfloat16 on cuda, float32 on cpu); greedy output "

@@ -37,7 +37,7 @@ class Table:
     """The shared hash table of n-gram -> next token (module docstring)."""
 
     def __init__(self, n: int, size: int) -> None:
-        self.n, self.entries, self.used = n, np.full(size, EMPTY, dtype=np.int64), 0
+        self.n, self.entries, self.used = n, np.full(size, EMPTY, dtype=np.int32), 0
 
     def index(self, tokens: list[int]) -> int:
         h = 0

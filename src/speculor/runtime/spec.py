@@ -30,11 +30,11 @@ class PairSpec:
     said on stderr; torch without measuring where llama.cpp cannot run the pair), 'torch' (transformers, the fp32
     reference and the GPU path) or 'llama.cpp' (GGUF files on llama.cpp's own quantized kernels, runtime/llama.py).
     threads: the CPU threads of either (default: torch's).
-    calls (llama.cpp): 'exact', the default (every row gets the bits of a one-row call in calls of any size:
-    speculative output is plain decoding's and no answer depends on what shares its batch; needs llama.cpp built
-    with patches/llama.cpp, checked at load, else 'vector'), 'vector' (the same from calls of at most 3 rows, on
-    llama.cpp as released), or 'batched' (llama.cpp's own call sizes: neither guarantee on llama.cpp as released;
-    runtime/llama/model.py).
+    calls (llama.cpp): 'exact', the default (every row gets the bits of a one-row call in calls of up to 31 rows
+    shared with any requests: speculative output is plain decoding's and no answer depends on what shares its
+    batch; needs llama.cpp built with patches/llama.cpp, checked at load, else 'vector'), 'vector' (the same from
+    calls of at most 3 rows, on llama.cpp as released), or 'batched' (llama.cpp's own call sizes: neither guarantee
+    on llama.cpp as released; runtime/llama/model.py).
 
     packed: on a CPU in fp32, run the target's matmuls through oneDNN weights prepacked once; draft_int8: run the
     draft with int8 weights (kernels.py). Either releases the fp32 weights it replaces (each weight is held once;

@@ -5,8 +5,9 @@ A row here is one token of a chain after `context` tokens of its own; its logits
 and the chain's next n - 1 tokens) are compared with the same row computed in a call of its own, every row of the
 call. With ggml's repacked Q4_K kernels as released, a call's first n - n % 4 rows take the 4-row gemm and the rest
 the vector kernel, whose float sums fall in another order: rows differ from n = 4 on. patches/llama.cpp makes the
-vector kernel sum in the gemm's order; ggml's tiled matmul (8 rows or more of the K-quant weights it does not
-repack) is switched off. Then every n gives every row the bits of a one-row call."""
+vector kernel sum in the gemm's order and lets ggml's tiled matmul (8 rows or more of the K-quant weights it does
+not repack, as released) start at calls.TILED rows instead. Then every n under TILED gives every row the bits of a
+one-row call."""
 
 from __future__ import annotations
 

@@ -55,9 +55,10 @@ N_BATCH = 512  # rows a llama_decode call takes at most (a longer prompt: severa
 N_UBATCH = 256  # rows llama.cpp computes at once (its compute buffer holds their logits: N_UBATCH x vocabulary)
 CALLS = {"exact": (TILED - 1, N_BATCH), "vector": (EXACT_ROWS, N_BATCH), "batched": (N_BATCH, N_BATCH)}
 # (most rows of a call of packed blocks, rows of a prompt's own calls). exact: every row the bits of a one-row call
-# in calls of any size (patches/llama.cpp, checked at load; else "vector"); vector: the same bits from calls of at
-# most 3 rows, on ggml as released; batched: llama.cpp's own sizes on ggml as released: a row's bits then depend on
-# its call, so an answer can depend on what shares its batch and speculation on plain decoding's low bits
+# in any call under TILED rows (patches/llama.cpp, checked at load; else "vector"); vector: the same bits from
+# calls of at most 3 rows, on ggml as released; batched: llama.cpp's own sizes on ggml as released: a row's bits
+# then depend on its call, so an answer can depend on what shares its batch and speculation on plain decoding's low
+# bits
 KV_TYPES = ("Q8_0", "F16")  # keys in Q8_0, values in F16: two types, so ggml's flash attention never splits a row
 # nor tiles a call (module docstring); Q8_0 values were as exact, and slower (docs/bench/cpu-never-slower)
 N_CTX = 16384  # cells of the shared memory: every live request's context (each request's limit too)
@@ -221,8 +222,8 @@ class LlamaModel:
                 for b, lg, h in zip(blocks, logits, hidden, strict=True)]
 
     def _fills(self, b: Block, rows: list) -> bool:
-        """Whether a prompt block is filled in the prompts' context: in the exact class, a chain on the base id
-        ending within its cells (made here the first time)."""
+        """Whether a prompt block is filled in the prompts' context: in the exact and vector classes, a chain on the
+        base id ending within its cells (made here the first time)."""
         cells = min(fill.CELLS, self.size) if self.calls in ("exact", "vector") else 0
         if rows[-1][1] >= cells or any(ids != [b.cache.base] for _, _, ids in rows):
             return False
